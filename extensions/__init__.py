@@ -1,0 +1,1 @@
+"""te_lab's IPython extension (importable as ``te_lab.extensions``)."""

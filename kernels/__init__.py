@@ -1,0 +1,20 @@
+"""te_lab's fused ops (importable as ``te_lab.kernels``).
+
+One file per op: its reference math, its Triton kernels, its autograd formula and
+its ``torch.library`` custom ops (``te_lab::<op>`` and ``te_lab::<op>_backward``,
+the names torch.profiler shows). Importing this package registers them.
+"""
+
+from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
+from .rms_norm import rms_norm, rms_norm_reference
+
+__all__ = [
+    "BACKENDS",
+    "FusedOp",
+    "available_backends",
+    "registered_ops",
+    "rms_norm",
+    "rms_norm_reference",
+    "select_backend",
+    "use_backend",
+]

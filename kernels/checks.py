@@ -1,0 +1,71 @@
+"""Input validation shared by the fused ops.
+
+Every error names the op, the argument, what was given and what was expected, and
+nothing is broadcast silently: a fused kernel that quietly accepted a wrong shape
+would produce wrong numbers instead of an error.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(op: str, name: str, value, *, min_dim: int = 1) -> torch.Tensor:
+    """``value`` must be a floating-point tensor with at least ``min_dim`` dimensions."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {value.dtype}; expected one of float32, float16, bfloat16, float64"
+        )
+    if value.dim() < min_dim:
+        raise ValueError(f"{op}: {name} must have at least {min_dim} dimension(s), got shape {tuple(value.shape)}")
+    return value
+
+
+def check_like(op: str, name: str, value, reference: torch.Tensor, reference_name: str,
+               shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``value`` must match ``reference`` in dtype and device, and have ``shape``
+    (``reference``'s shape when not given)."""
+    check_tensor(op, name, value)
+    expected = tuple(reference.shape if shape is None else shape)
+    if tuple(value.shape) != expected:
+        raise ValueError(
+            f"{op}: {name} has shape {tuple(value.shape)}; expected {expected} (from {reference_name})"
+        )
+    if value.dtype != reference.dtype:
+        raise TypeError(f"{op}: {name} has dtype {value.dtype}; expected {reference.dtype} like {reference_name}")
+    if value.device != reference.device:
+        raise ValueError(f"{op}: {name} is on {value.device}; expected {reference.device} like {reference_name}")
+    return value
+
+
+def check_parameter(op: str, name: str, value, reference: torch.Tensor, reference_name: str,
+                    length: int) -> torch.Tensor:
+    """A per-feature parameter (weight, bias): 1-D of ``length`` on ``reference``'s device.
+    Its dtype may differ from the input's (fp32 weights with bf16 activations are common)."""
+    check_tensor(op, name, value)
+    if tuple(value.shape) != (length,):
+        raise ValueError(
+            f"{op}: {name} has shape {tuple(value.shape)}; expected ({length},), "
+            f"the last dimension of {reference_name}"
+        )
+    if value.device != reference.device:
+        raise ValueError(f"{op}: {name} is on {value.device}; expected {reference.device} like {reference_name}")
+    return value
+
+
+def check_positive(op: str, name: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{op}: {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{op}: {name} must be one of {tuple(choices)}, got {value!r}")
+    return value

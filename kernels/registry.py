@@ -1,0 +1,182 @@
+"""The fused-op registry and the backend dispatcher.
+
+Each fused op registers a :class:`FusedOp`: its name, its reference (the plain,
+unfused PyTorch math every test and benchmark compares against) and the backends
+that implement it. :func:`select_backend` picks one per call, in this order:
+
+1. the ``backend=`` argument of the call,
+2. the innermost :func:`use_backend` context,
+3. the ``TE_LAB_BACKEND`` environment variable (``"inductor"`` for every op, or
+   ``"rms_norm=native,glu=inductor"`` per op),
+4. automatic: ``triton`` where Triton runs on the device, else the op's preferred
+   CPU backend (``native`` when an existing fused ATen kernel does the job well,
+   ``inductor`` otherwise), and ``reference`` as the last resort.
+
+A forced backend that the op lacks or the device cannot run raises a ``ValueError``
+naming the op, the backend and the device. Selection is plain Python that
+torch.compile traces with guards, so a compiled caller never graph-breaks on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Optional
+
+import torch
+
+from te_lab import device as devices
+
+BACKENDS = ("triton", "native", "inductor", "reference")
+ENV_VAR = "TE_LAB_BACKEND"
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """A fused op and the backends that implement it.
+
+    ``implementations`` maps a backend name to whatever the op's file uses to run it
+    (typically an object with ``forward`` and ``backward``). ``cpu_preference`` is the
+    backend chosen automatically where Triton cannot run, picked per op by benchmark.
+    ``native_supports`` says on which device types the native backend exists (the
+    ATen kernels it calls may be missing on a device or in an older torch).
+    """
+
+    name: str
+    reference: Callable
+    implementations: Mapping[str, object]
+    cpu_preference: str = "inductor"
+    native_supports: Callable[[str], bool] = field(default=lambda device_type: True)
+
+    def backends(self) -> tuple[str, ...]:
+        """Every backend this op implements (whether a device can run it aside)."""
+        return tuple(name for name in BACKENDS if name in self.implementations or name == "reference")
+
+
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
+_aten_kernels: dict[tuple[str, str], bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def aten_kernel_exists(qualified_name: str, device_type: str) -> bool:
+    """Whether ATen op ``qualified_name`` (e.g. ``"aten::_fused_rms_norm"``) has a kernel
+    for ``device_type`` in this torch build; a trace-time constant under torch.compile."""
+    key = (qualified_name, device_type)
+    if key not in _aten_kernels:
+        try:
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, _DISPATCH_KEYS[device_type])
+        except (RuntimeError, KeyError):
+            found = False
+        _aten_kernels[key] = bool(found)
+    return _aten_kernels[key]
+
+
+_REGISTRY: dict[str, FusedOp] = {}
+# The stack of active use_backend() overrides; each entry maps op name (or "*") to backend.
+_OVERRIDES: list[dict[str, str]] = []
+
+
+def register_op(op: FusedOp) -> FusedOp:
+    if op.name in _REGISTRY:
+        raise ValueError(f"fused op {op.name!r} is already registered")
+    unknown = set(op.implementations) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"fused op {op.name!r}: unknown backend(s) {sorted(unknown)}; expected {BACKENDS}")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def registered_ops() -> dict[str, FusedOp]:
+    """Name -> FusedOp for every registered op."""
+    return dict(_REGISTRY)
+
+
+def _check_backend_name(backend: str, where: str) -> None:
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"{where}: unknown backend {backend!r}; expected one of {('auto',) + BACKENDS}")
+
+
+def _parse_overrides(spec: str, where: str) -> dict[str, str]:
+    """``"inductor"`` -> {"*": "inductor"}; ``"rms_norm=native,glu=reference"`` -> per op."""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        op_name, _, backend = item.rpartition("=")
+        op_name = op_name.strip() or "*"
+        backend = backend.strip()
+        _check_backend_name(backend, where)
+        overrides[op_name] = backend
+    return overrides
+
+
+@contextlib.contextmanager
+def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
+    """Force a backend inside a ``with`` block: ``use_backend("reference")`` for every
+    op, or ``use_backend(rms_norm="native")`` for some; the innermost block wins."""
+    overrides = {}
+    if backend is not None:
+        _check_backend_name(backend, "use_backend(backend)")
+        overrides["*"] = backend
+    for op_name, op_backend in per_op.items():
+        _check_backend_name(op_backend, f"use_backend({op_name}=...)")
+        overrides[op_name] = op_backend
+    _OVERRIDES.append(overrides)
+    try:
+        yield
+    finally:
+        _OVERRIDES.remove(overrides)
+
+
+def _forced_backend(op_name: str) -> tuple[Optional[str], str]:
+    """The backend forced by a context or the environment, and who forced it."""
+    for overrides in reversed(_OVERRIDES):
+        for key in (op_name, "*"):
+            if key in overrides:
+                return overrides[key], "use_backend()"
+    spec = os.environ.get(ENV_VAR, "")
+    if spec:
+        overrides = _parse_overrides(spec, ENV_VAR)
+        for key in (op_name, "*"):
+            if key in overrides:
+                return overrides[key], f"{ENV_VAR}={spec!r}"
+    return None, ""
+
+
+def unavailable_reason(op: FusedOp, backend: str, device: torch.device) -> Optional[str]:
+    """Why ``backend`` cannot run ``op`` on ``device``, or None when it can."""
+    if backend not in op.backends():
+        return f"{op.name} has no {backend!r} backend here (it has: {', '.join(op.backends())})"
+    if backend == "native" and not op.native_supports(device.type):
+        return f"this torch build has no fused ATen kernels for it on {device.type}"
+    if backend == "triton":
+        return devices.triton_unavailable_reason(device.type)
+    if backend == "inductor" and devices.is_gpu(device) and devices.triton_unavailable_reason(device.type):
+        return "Inductor generates Triton code on GPUs, and " + devices.triton_unavailable_reason(device.type)
+    return None
+
+
+def available_backends(op: FusedOp, device: torch.device) -> list[str]:
+    """The backends that can run ``op`` on ``device``, in the order auto-selection tries them."""
+    return [name for name in op.backends() if unavailable_reason(op, name, device) is None]
+
+
+def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
+    """The backend that runs ``op`` on ``device`` for this call (see the module doc)."""
+    source = "backend="
+    if requested is not None:
+        _check_backend_name(requested, f"{op.name}(backend)")
+    if requested in (None, "auto"):
+        requested, source = _forced_backend(op.name)
+    if requested not in (None, "auto"):
+        reason = unavailable_reason(op, requested, device)
+        if reason is not None:
+            raise ValueError(
+                f"{op.name}: backend {requested!r} (from {source}) cannot run on device {device}: {reason}"
+            )
+        return requested
+    # Triton is chosen automatically only on GPUs: the CPU interpreter is for tests.
+    order = ("triton", "native", "inductor") if devices.is_gpu(device) else (op.cpu_preference, "native", "inductor")
+    for candidate in order:
+        if unavailable_reason(op, candidate, device) is None:
+            return candidate
+    return "reference"

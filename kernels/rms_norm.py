@@ -1,0 +1,287 @@
+"""RMSNorm, optionally fused with the residual add before it.
+
+    h = x + residual                      (when a residual is given)
+    y = h * rsqrt(mean(h**2) + eps) * (weight + weight_offset)
+
+computed in float32 and cast back to the input dtype, as Llama-family code does.
+``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` scaling. With a residual the op
+returns ``(y, h)``: ``h`` is the next residual stream, written in the same pass.
+
+Backward: dx = rstd * (g - x_hat * mean(g * x_hat)) with g = dy * w and
+x_hat = h * rstd; dw = sum over rows of dy * x_hat. The gradient of ``h`` flowing
+in from the residual stream is added in the same pass, and x and residual share it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from te_lab import device as devices
+
+from .checks import check_like, check_parameter, check_positive, check_tensor
+from .compiled import inductor_compiled
+from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
+from .triton_support import HAS_TRITON, num_warps_for, reduction_programs, row_block, tl, triton
+
+NAME = "rms_norm"
+
+
+def rms_norm_reference(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+                       residual: Optional[Tensor] = None, weight_offset: float = 0.0):
+    """The unfused PyTorch math: the truth every backend is compared against."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.float() + weight_offset)
+    y = y.to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+# ---- row-wise math on 2-D tensors, shared by the native and inductor backends ----
+
+def _forward_math(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+                  offset: float):
+    h = x if residual is None else x + residual
+    hf = h.float()
+    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+    y = hf * rstd[:, None]
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    return y.to(x.dtype), (None if residual is None else h), rstd
+
+
+def _backward_math(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
+                   rstd: Tensor, offset: float, need_dw: bool):
+    x_hat = h.float() * rstd[:, None]
+    dyf = dy.float()
+    g = dyf if weight is None else dyf * (weight.float() + offset)
+    dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    if dh is not None:
+        dx = dx + dh.float()
+    dw = (dyf * x_hat).sum(0).to(weight.dtype) if need_dw else None
+    return dx.to(h.dtype), dw
+
+
+class _Inductor:
+    forward = staticmethod(inductor_compiled(_forward_math))
+    backward = staticmethod(inductor_compiled(_backward_math))
+
+
+def _native_supports(device_type: str) -> bool:
+    return all(aten_kernel_exists(f"aten::{name}", device_type)
+               for name in ("_fused_rms_norm", "_fused_rms_norm_backward"))
+
+
+class _Native:
+    """ATen's fused RMSNorm kernels where the torch build has both directions for the
+    device (CUDA in recent torch; not the CPU, which lacks the backward); the residual
+    add stays a separate op."""
+
+    @staticmethod
+    def forward(x, residual, weight, eps, offset):
+        h = x if residual is None else x + residual
+        w = None if weight is None else weight.float() + offset
+        y, rstd = torch.ops.aten._fused_rms_norm(h.float(), [h.shape[-1]], w, eps)
+        return y.to(x.dtype), (None if residual is None else h), rstd.reshape(-1)
+
+    @staticmethod
+    def backward(dy, dh, h, weight, rstd, offset, need_dw):
+        w = None if weight is None else weight.float() + offset
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(
+            dy.float(), h.float(), [h.shape[-1]], rstd[:, None], w, [True, need_dw])
+        if dh is not None:
+            dx = dx.add_(dh)
+        return dx.to(h.dtype), (dw.to(weight.dtype) if need_dw else None)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, n_cols, eps, offset,
+                                 HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        hf = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            # add in fp32 and round once to the input dtype, as torch's add does
+            h = (hf + tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32))
+            h = h.to(H.dtype.element_ty)
+            tl.store(H + row * n_cols + cols, h, mask=mask)
+            hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+        y = hf * rstd
+        if HAS_WEIGHT:
+            y = y * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
+        tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + row, rstd)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(DY, DH, H, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
+                                  offset, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        program = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        first = program * rows_per_program
+        last = tl.minimum(first + rows_per_program, n_rows)
+        for row in range(first, last):
+            start = row * n_cols
+            dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            x_hat = tl.load(H + start + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+            g = dy
+            if HAS_WEIGHT:
+                g = dy * w
+                dw += dy * x_hat
+            dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
+            if HAS_DH:
+                dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=mask)
+
+
+class _Triton:
+    @staticmethod
+    def forward(x, residual, weight, eps, offset):
+        rows, n = x.shape
+        block = row_block(NAME, n)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        residual = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
+        y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        h = None if residual is None else torch.empty_like(y)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        with devices.device_guard(x.device):
+            _rms_norm_forward_kernel[(rows,)](
+                x, residual, weight, y, h, rstd, x.stride(0),
+                0 if residual is None else residual.stride(0), n, eps, offset,
+                HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+                BLOCK=block, num_warps=num_warps_for(block))
+        return y, h, rstd
+
+    @staticmethod
+    def backward(dy, dh, h, weight, rstd, offset, need_dw):
+        rows, n = h.shape
+        block = row_block(NAME, n)
+        dy, h = dy.contiguous(), h.contiguous()
+        dh = None if dh is None else dh.contiguous()
+        programs = reduction_programs(h.device, rows)
+        dx = torch.empty_like(h)
+        partial = torch.empty((programs, n) if weight is not None else (0,), dtype=torch.float32, device=h.device)
+        with devices.device_guard(h.device):
+            _rms_norm_backward_kernel[(programs,)](
+                dy, dh, h, weight, rstd, dx, partial, rows, n, triton.cdiv(rows, programs), offset,
+                HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
+                BLOCK=block, num_warps=num_warps_for(block))
+        dw = partial.sum(0).to(weight.dtype) if need_dw else None
+        return dx, dw
+
+
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
+if HAS_TRITON:
+    _IMPLEMENTATIONS["triton"] = _Triton
+
+RMS_NORM = register_op(FusedOp(
+    name=NAME,
+    reference=rms_norm_reference,
+    implementations=_IMPLEMENTATIONS,
+    cpu_preference="inductor",
+    native_supports=_native_supports,
+))
+
+
+# ---- the torch.library custom ops: what torch.compile and the profiler see ----
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("te_lab::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+                 weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    r2 = None if residual is None else residual.reshape(-1, n)
+    y, h, rstd = _IMPLEMENTATIONS[backend].forward(x2, r2, weight, eps, weight_offset)
+    h = x.new_empty(_EMPTY) if h is None else h.contiguous().view(x.shape)
+    return y.contiguous().view(x.shape), h, rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, residual, weight, eps, weight_offset, backend):
+    h = x.new_empty(_EMPTY) if residual is None else x.new_empty(x.shape)
+    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+
+
+@torch.library.custom_op("te_lab::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
+                          rstd: Tensor, weight_offset: float, need_dw: bool,
+                          backend: str) -> tuple[Tensor, Tensor]:
+    n = h.shape[-1]
+    dx, dw = _IMPLEMENTATIONS[backend].backward(
+        dy.reshape(-1, n), None if dh is None else dh.reshape(-1, n), h.reshape(-1, n),
+        weight, rstd, weight_offset, need_dw)
+    return dx.contiguous().view(h.shape), (h.new_empty(_EMPTY) if dw is None else dw)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, dh, h, weight, rstd, weight_offset, need_dw, backend):
+    return h.new_empty(h.shape), (weight.new_empty(weight.shape) if need_dw else h.new_empty(_EMPTY))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, eps, weight_offset, backend = inputs
+    _, h, rstd = output
+    ctx.save_for_backward(x if residual is None else h, weight, rstd)
+    ctx.has_residual = residual is not None
+    ctx.weight_offset = weight_offset
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[2]
+    if dy is None:
+        dy = torch.zeros_like(h)
+    dx, dw = _rms_norm_backward_op(dy, dh if ctx.has_residual else None, h, weight, rstd,
+                                   ctx.weight_offset, need_dw, ctx.backend)
+    return dx, (dx if ctx.has_residual else None), (dw if need_dw else None), None, None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
+             residual: Optional[Tensor] = None, weight_offset: float = 0.0,
+             backend: Optional[str] = None):
+    """Fused RMSNorm over the last dimension of ``x``.
+
+    Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``weight`` has
+    the length of the last dimension (its dtype may differ from ``x``'s);
+    ``weight_offset=1.0`` scales by ``1 + weight`` (Gemma). ``backend`` forces
+    ``"triton"``, ``"native"``, ``"inductor"`` or ``"reference"`` (see
+    :mod:`te_lab.kernels.registry`).
+    """
+    check_tensor(NAME, "x", x)
+    n = x.shape[-1]
+    if residual is not None:
+        check_like(NAME, "residual", residual, x, "x")
+    if weight is not None:
+        check_parameter(NAME, "weight", weight, x, "x", n)
+    eps = check_positive(NAME, "eps", eps)
+    if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
+        raise TypeError(f"{NAME}: weight_offset must be a number, got {weight_offset!r}")
+    chosen = select_backend(RMS_NORM, x.device, backend)
+    if chosen == "reference":
+        return rms_norm_reference(x, weight, eps, residual=residual, weight_offset=weight_offset)
+    y, h, _ = _rms_norm_op(x, residual, weight, eps, float(weight_offset), chosen)
+    return y if residual is None else (y, h)

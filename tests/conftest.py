@@ -1,0 +1,80 @@
+"""Shared test set-up: the device under test, tolerances, and Triton's interpreter.
+
+On a machine without a GPU that Triton can drive, the Triton kernels run through
+Triton's interpreter (TRITON_INTERPRET=1), so CI checks the very source that runs on
+GPUs. The variable must be set before any kernel is defined, hence here, before
+te_lab is imported.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available() and not hasattr(torch, "musa"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from te_lab import device as devices  # noqa: E402
+from te_lab.kernels import available_backends  # noqa: E402
+
+DEVICE = devices.default_device()
+
+# DESIGN.md's tolerances, forward output and every gradient.
+TOLERANCES = {
+    torch.float64: dict(rtol=1e-7, atol=1e-7),
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def interpreted(backend):
+    """Whether ``backend`` runs Triton kernels through the CPU interpreter."""
+    return backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def assert_close(actual, expected, dtype=None, backend=None, **overrides):
+    """Compare in float64 with the tolerance of ``dtype`` (the inputs' dtype by default).
+
+    Triton's interpreter converts float32 to bfloat16 by truncation where compiled Triton
+    (and torch) round to nearest, so interpreted bf16 results may sit one bf16 step
+    further from the reference: those comparisons allow twice the bf16 atol.
+    """
+    dtype = dtype or expected.dtype
+    tolerance = dict(TOLERANCES[dtype])
+    if dtype == torch.bfloat16 and interpreted(backend):
+        tolerance["atol"] = 2 * tolerance["atol"]
+    tolerance.update(overrides)
+    torch.testing.assert_close(actual.double(), expected.double(), **tolerance)
+
+
+def fused_backends(op):
+    """The non-reference backends that can run ``op`` on the device under test."""
+    return [name for name in available_backends(op, DEVICE) if name != "reference"]
+
+
+def backend_params(op):
+    """pytest params for every backend of ``op`` available here; Triton ones are marked
+    ``triton_interpreter`` so the Triton 3.2 run can select exactly them."""
+    return [
+        pytest.param(name, id=name, marks=[pytest.mark.triton_interpreter] if name == "triton" else [])
+        for name in fused_backends(op)
+    ]
+
+
+def grads_of(outputs, inputs, seed=0):
+    """Gradients of a random linear function of ``outputs`` w.r.t. ``inputs``; the same
+    seed gives the same upstream gradients for the fused op and the reference."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    total = 0
+    for out in outputs:
+        weight = torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.device, out.dtype)
+        total = total + (out.float() * weight.float()).sum()
+    return torch.autograd.grad(total, inputs)
+
+
+def leaf(tensor):
+    return tensor.detach().clone().requires_grad_(True)
