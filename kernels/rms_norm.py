@@ -3,7 +3,7 @@
     h = x + residual                      (when a residual is given)
     y = h * rsqrt(mean(h**2) + eps) * (weight + weight_offset)
 
-computed in float32 and cast back to the input dtype, as Llama-family code does.
+computed in float32 (float64 for float64 inputs) and cast back to the input dtype, as
 ``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` scaling. With a residual the op
 returns ``(y, h)``: ``h`` is the next residual stream, written in the same pass.
 
@@ -23,6 +23,7 @@ from te_lab import device as devices
 
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
+from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, reduction_programs, row_block, tl, triton
 
@@ -33,10 +34,10 @@ def rms_norm_reference(x: Tensor, weight: Optional[Tensor] = None, eps: float = 
                        residual: Optional[Tensor] = None, weight_offset: float = 0.0):
     """The unfused PyTorch math: the truth every backend is compared against."""
     h = x if residual is None else x + residual
-    hf = h.float()
+    hf = h.to(compute_dtype(h))
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * (weight.float() + weight_offset)
+        y = y * (weight.to(hf.dtype) + weight_offset)
     y = y.to(x.dtype)
     return y if residual is None else (y, h)
 
@@ -46,22 +47,22 @@ def rms_norm_reference(x: Tensor, weight: Optional[Tensor] = None, eps: float = 
 def _forward_math(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                   offset: float):
     h = x if residual is None else x + residual
-    hf = h.float()
+    hf = h.to(compute_dtype(h))
     rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
     y = hf * rstd[:, None]
     if weight is not None:
-        y = y * (weight.float() + offset)
+        y = y * (weight.to(hf.dtype) + offset)
     return y.to(x.dtype), (None if residual is None else h), rstd
 
 
 def _backward_math(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
                    rstd: Tensor, offset: float, need_dw: bool):
-    x_hat = h.float() * rstd[:, None]
-    dyf = dy.float()
-    g = dyf if weight is None else dyf * (weight.float() + offset)
+    x_hat = h.to(rstd.dtype) * rstd[:, None]
+    dyf = dy.to(rstd.dtype)
+    g = dyf if weight is None else dyf * (weight.to(rstd.dtype) + offset)
     dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
     if dh is not None:
-        dx = dx + dh.float()
+        dx = dx + dh.to(rstd.dtype)
     dw = (dyf * x_hat).sum(0).to(weight.dtype) if need_dw else None
     return dx.to(h.dtype), dw
 
@@ -84,15 +85,17 @@ class _Native:
     @staticmethod
     def forward(x, residual, weight, eps, offset):
         h = x if residual is None else x + residual
-        w = None if weight is None else weight.float() + offset
-        y, rstd = torch.ops.aten._fused_rms_norm(h.float(), [h.shape[-1]], w, eps)
+        acc = compute_dtype(h)
+        w = None if weight is None else weight.to(acc) + offset
+        y, rstd = torch.ops.aten._fused_rms_norm(h.to(acc), [h.shape[-1]], w, eps)
         return y.to(x.dtype), (None if residual is None else h), rstd.reshape(-1)
 
     @staticmethod
     def backward(dy, dh, h, weight, rstd, offset, need_dw):
-        w = None if weight is None else weight.float() + offset
+        acc = rstd.dtype
+        w = None if weight is None else weight.to(acc) + offset
         dx, dw = torch.ops.aten._fused_rms_norm_backward(
-            dy.float(), h.float(), [h.shape[-1]], rstd[:, None], w, [True, need_dw])
+            dy.to(acc), h.to(acc), [h.shape[-1]], rstd[:, None], w, [True, need_dw])
         if dh is not None:
             dx = dx.add_(dh)
         return dx.to(h.dtype), (dw.to(weight.dtype) if need_dw else None)
@@ -103,48 +106,48 @@ if HAS_TRITON:
     @triton.jit
     def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, n_cols, eps, offset,
                                  HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                                 BLOCK: tl.constexpr):
+                                 ACC: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        hf = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        hf = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(ACC)
         if HAS_RESIDUAL:
-            # add in fp32 and round once to the input dtype, as torch's add does
-            h = (hf + tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32))
+            # add at full precision and round once to the input dtype, as torch's add does
+            h = (hf + tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(ACC))
             h = h.to(H.dtype.element_ty)
             tl.store(H + row * n_cols + cols, h, mask=mask)
-            hf = h.to(tl.float32)
+            hf = h.to(ACC)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
         y = hf * rstd
         if HAS_WEIGHT:
-            y = y * (tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset)
+            y = y * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
         tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + row, rstd)
 
     @triton.jit
     def _rms_norm_backward_kernel(DY, DH, H, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
                                   offset, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                                  BLOCK: tl.constexpr):
+                                  ACC: tl.constexpr, BLOCK: tl.constexpr):
         program = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset
+        dw = tl.zeros((BLOCK,), dtype=ACC)
         first = program * rows_per_program
         last = tl.minimum(first + rows_per_program, n_rows)
         for row in range(first, last):
             start = row * n_cols
-            dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
             rstd = tl.load(RSTD + row)
-            x_hat = tl.load(H + start + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+            x_hat = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC) * rstd
             g = dy
             if HAS_WEIGHT:
                 g = dy * w
                 dw += dy * x_hat
             dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
             if HAS_DH:
-                dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
             tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=mask)
@@ -159,13 +162,13 @@ class _Triton:
         residual = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
         h = None if residual is None else torch.empty_like(y)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=compute_dtype(x), device=x.device)
         with devices.device_guard(x.device):
             _rms_norm_forward_kernel[(rows,)](
                 x, residual, weight, y, h, rstd, x.stride(0),
                 0 if residual is None else residual.stride(0), n, eps, offset,
                 HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-                BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(x), BLOCK=block, num_warps=num_warps_for(block))
         return y, h, rstd
 
     @staticmethod
@@ -176,12 +179,12 @@ class _Triton:
         dh = None if dh is None else dh.contiguous()
         programs = reduction_programs(h.device, rows)
         dx = torch.empty_like(h)
-        partial = torch.empty((programs, n) if weight is not None else (0,), dtype=torch.float32, device=h.device)
+        partial = torch.empty((programs, n) if weight is not None else (0,), dtype=rstd.dtype, device=h.device)
         with devices.device_guard(h.device):
             _rms_norm_backward_kernel[(programs,)](
                 dy, dh, h, weight, rstd, dx, partial, rows, n, triton.cdiv(rows, programs), offset,
                 HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
-                BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(h), BLOCK=block, num_warps=num_warps_for(block))
         dw = partial.sum(0).to(weight.dtype) if need_dw else None
         return dx, dw
 
@@ -218,7 +221,7 @@ def _rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor]
 @_rms_norm_op.register_fake
 def _(x, residual, weight, eps, weight_offset, backend):
     h = x.new_empty(_EMPTY) if residual is None else x.new_empty(x.shape)
-    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+    return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1].numel(), dtype=compute_dtype(x))
 
 
 @torch.library.custom_op("te_lab::rms_norm_backward", mutates_args=())

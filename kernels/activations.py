@@ -1,0 +1,79 @@
+"""Activation functions and their derivatives, shared by the fused ops that apply one
+(bias + activation, gated MLPs): the eager PyTorch form used by the reference and
+Inductor backends, and ``@triton.jit`` helpers used inside Triton kernels.
+
+    gelu       0.5 x (1 + erf(x / sqrt 2))                    F.gelu(x)
+    gelu_tanh  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  F.gelu(x, approximate="tanh")
+    silu       x sigmoid(x)                                   F.silu(x)
+
+Triton 3.2 (what MUSA ships) has no tanh in its core language, so tanh(z) is
+written as 2 sigmoid(2z) - 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .triton_support import HAS_TRITON, tl, triton
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+# Triton kernels take the activation as an integer constexpr.
+ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
+
+_SQRT_HALF = math.sqrt(0.5)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TANH_SCALE = math.sqrt(2.0 / math.pi)
+_TANH_CUBIC = 0.044715
+
+
+def activate(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The activation itself, as model code calls it."""
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+def activation_grad(name: str, x: torch.Tensor) -> torch.Tensor:
+    """d activation(x) / dx, written out so Inductor fuses it with its neighbours."""
+    if name == "silu":
+        sig = torch.sigmoid(x)
+        return sig * (1 + x * (1 - sig))
+    if name == "gelu":
+        return 0.5 * (1 + torch.erf(x * _SQRT_HALF)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    inner = _TANH_SCALE * (x + _TANH_CUBIC * x * x * x)
+    t = torch.tanh(inner)
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _TANH_SCALE * (1 + 3 * _TANH_CUBIC * x * x)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tanh(z):
+        return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+    @triton.jit
+    def triton_activate(x, ACTIVATION: tl.constexpr):
+        """The activation with code ``ACTIVATION`` (see ACTIVATION_CODES) of a float tensor."""
+        if ACTIVATION == 0:
+            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        elif ACTIVATION == 1:
+            y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+        else:
+            y = x * tl.sigmoid(x)
+        return y
+
+    @triton.jit
+    def triton_activation_grad(x, ACTIVATION: tl.constexpr):
+        """d activation(x) / dx for the activation with code ``ACTIVATION``."""
+        if ACTIVATION == 0:
+            g = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+        elif ACTIVATION == 1:
+            t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+            g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        else:
+            sig = tl.sigmoid(x)
+            g = sig * (1.0 + x * (1.0 - sig))
+        return g
