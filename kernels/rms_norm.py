@@ -3,8 +3,8 @@
     h = x + residual                      (when a residual is given)
     y = h * rsqrt(mean(h**2) + eps) * (weight + weight_offset)
 
-computed in float32 (float64 for float64 inputs) and cast back to the input dtype, as
-``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` scaling. With a residual the op
+computed in float32 (float64 for float64 inputs) and cast back to the input dtype,
+as Llama-family code does. ``weight_offset=1.0`` gives Gemma's ``(1 + weight)`` scaling. With a residual the op
 returns ``(y, h)``: ``h`` is the next residual stream, written in the same pass.
 
 Backward: dx = rstd * (g - x_hat * mean(g * x_hat)) with g = dy * w and
