@@ -1,0 +1,116 @@
+"""The per-op benchmark cases: the baseline model code runs today in eager PyTorch, the
+te_lab call that replaces it, realistic shapes, and the bytes (and FLOPs) the fused
+forward + backward must move at the least, from shapes and dtypes.
+
+Bytes moved, forward + backward (N = elements of the activation, s = its element size):
+- RMSNorm:            read x, w; write y, rstd | read dy, x, w, rstd; write dx, dw   ~ 5 N s
+- add + LayerNorm:    read x, r; write h, y    | read dy, dh, h; write dx            ~ 8 N s
+- Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
+- SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from te_lab.kernels.bias_act import linear_act
+from te_lab.kernels.glu import glu
+from te_lab.kernels.layer_norm import layer_norm
+from te_lab.kernels.rms_norm import rms_norm
+
+
+@dataclass
+class OpCase:
+    op: str  # the registered fused op's name
+    title: str
+    inputs: tuple  # every tensor the step takes; gradients are taken for all of them
+    baseline: Callable
+    fused: Callable  # takes the inputs and backend=
+    bytes_moved: int
+    flops: Optional[int] = None
+
+
+def _bytes(*tensors_or_counts) -> int:
+    total = 0
+    for item in tensors_or_counts:
+        total += item.numel() * item.element_size() if isinstance(item, torch.Tensor) else int(item)
+    return total
+
+
+def hand_written_rms_norm(x, weight, eps=1e-6):
+    """What Llama-family model code runs (Hugging Face's LlamaRMSNorm.forward)."""
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def add_layer_norm(x, residual, weight, bias):
+    h = x + residual
+    return F.layer_norm(h, (h.shape[-1],), weight, bias), h
+
+
+def linear_gelu(x, weight, bias):
+    return F.gelu(F.linear(x, weight, bias))
+
+
+def silu_gate(gate, up):
+    return F.silu(gate) * up
+
+
+def gelu_gate(gate, up):
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _param(n, device, dtype):
+    return (1 + 0.1 * torch.randn(n, device=device)).to(dtype).requires_grad_()
+
+
+def _act(shape, device, dtype):
+    return torch.randn(shape, device=device, dtype=dtype).requires_grad_()
+
+
+def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list[OpCase]:
+    """The issue's shapes at ``rows`` rows: norms rows x 2048, gated activations
+    rows x 4096, Linear (rows / 4) x 1024 -> 4096."""
+    torch.manual_seed(0)
+    cases = []
+
+    x, w = _act((rows, 2048), device, dtype), _param(2048, device, dtype)
+    cases.append(OpCase(
+        "rms_norm", f"RMSNorm {rows}x2048", (x, w),
+        baseline=hand_written_rms_norm,
+        fused=lambda x, w, backend: rms_norm(x, w, 1e-6, backend=backend),
+        bytes_moved=_bytes(x, w, x, rows * 4, x, x, w, rows * 4, x, w)))
+
+    x, r = _act((rows, 2048), device, dtype), _act((rows, 2048), device, dtype)
+    w, b = _param(2048, device, dtype), _param(2048, device, dtype)
+    cases.append(OpCase(
+        "layer_norm", f"add + LayerNorm {rows}x2048", (x, r, w, b),
+        baseline=add_layer_norm,
+        fused=lambda x, r, w, b, backend: layer_norm(x, w, b, 1e-5, residual=r, backend=backend),
+        bytes_moved=_bytes(x, r, x, x, x, x, x, x, w, b)))
+
+    tokens = max(rows // 4, 1)
+    x, weight = _act((tokens, 1024), device, dtype), _act((4096, 1024), device, dtype)
+    bias = _param(4096, device, dtype)
+    out_elements = tokens * 4096
+    cases.append(OpCase(
+        "bias_act", f"Linear {tokens}x1024->4096 + GELU", (x, weight, bias),
+        baseline=linear_gelu,
+        fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend),
+        bytes_moved=_bytes(x, weight, out_elements * x.element_size() * 3, x, weight, x, weight, bias),
+        flops=3 * 2 * tokens * 1024 * 4096))
+
+    for name, baseline, activation in (("SwiGLU", silu_gate, "silu"), ("GeGLU", gelu_gate, "gelu_tanh")):
+        gate, up = _act((rows, 4096), device, dtype), _act((rows, 4096), device, dtype)
+        cases.append(OpCase(
+            "glu", f"{name} {rows}x4096", (gate, up),
+            baseline=baseline,
+            fused=(lambda activation: lambda g, u, backend: glu(g, u, activation, backend=backend))(activation),
+            bytes_moved=_bytes(gate) * 8))
+    return cases
