@@ -27,6 +27,11 @@ def inductor_compiled(fn: Callable) -> Callable:
     specialisation (dtypes, optional tensors present or not, flags) compiles its own
     copy of ``fn``: torch.compile caps recompiles per code object (8 by default), and
     an op used with several dtypes and options would otherwise hit that cap.
+
+    The graph is always called the same way: under no_grad, with detached, contiguous
+    tensors. Fused ops call it below autograd, yet grad mode, the inputs'
+    ``requires_grad`` and their being views vary with the caller; each enters the
+    graph's guards and would force a recompile.
     """
     compiled: dict[tuple, Callable] = {}
 
@@ -38,6 +43,8 @@ def inductor_compiled(fn: Callable) -> Callable:
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                       fn.__defaults__, fn.__closure__)
             compiled[key] = torch.compile(copy, dynamic=True, fullgraph=True)
-        return compiled[key](*args)
+        with torch.no_grad():
+            return compiled[key](*(arg.detach().contiguous() if isinstance(arg, torch.Tensor) else arg
+                                   for arg in args))
 
     return run
