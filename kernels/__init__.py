@@ -5,6 +5,9 @@ its ``torch.library`` custom ops (``te_lab::<op>`` and ``te_lab::<op>_backward``
 the names torch.profiler shows). Importing this package registers them.
 """
 
+from .bias_act import bias_act, bias_act_reference, linear_act, linear_act_reference
+from .glu import geglu, glu, glu_reference, swiglu
+from .layer_norm import layer_norm, layer_norm_reference
 from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
 from .rms_norm import rms_norm, rms_norm_reference
 
@@ -12,9 +15,19 @@ __all__ = [
     "BACKENDS",
     "FusedOp",
     "available_backends",
+    "bias_act",
+    "bias_act_reference",
+    "geglu",
+    "glu",
+    "glu_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "linear_act",
+    "linear_act_reference",
     "registered_ops",
     "rms_norm",
     "rms_norm_reference",
     "select_backend",
+    "swiglu",
     "use_backend",
 ]
