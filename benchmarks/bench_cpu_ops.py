@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cases import op_cases  # noqa: E402
+from cases import adamw_case, op_cases  # noqa: E402
 from harness import fwd_bwd_step, interleaved  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -55,11 +55,14 @@ def main(argv=None):
     print(f"# te_lab CPU benchmark: {devices.device_name(device)}, {devices.multiprocessor_count(device)} cores, "
           f"torch {torch.__version__}, float32, fwd+bwd")
     print(f"measured copy bandwidth: {copy_gbs:.1f} GB/s\n")
-    for case in op_cases(device, torch.float32, rows=args.rows):
-        if wanted and case.op not in wanted:
-            continue
+    selected = [(case, contenders_for(case, device)) for case in op_cases(device, torch.float32, rows=args.rows)
+                if not wanted or case.op in wanted]
+    if not wanted or "adamw" in wanted:
+        optimizer = adamw_case(device, torch.float32)
+        selected.append((optimizer, optimizer.steps))
+    for case, steps in selected:
         print(f"## {case.title}", flush=True)
-        timings = interleaved(contenders_for(case, device), device, rounds=args.rounds, warmup=args.warmup,
+        timings = interleaved(steps, device, rounds=args.rounds, warmup=args.warmup,
                               progress=lambda message: print(f"  .. {message}", file=sys.stderr, flush=True))
         print_table(case, timings, peak_gbs=copy_gbs, peak_label="copy")
         print(flush=True)

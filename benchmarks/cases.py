@@ -7,6 +7,7 @@ Bytes moved, forward + backward (N = elements of the activation, s = its element
 - add + LayerNorm:    read x, r; write h, y    | read dy, dh, h; write dx            ~ 8 N s
 - Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
 - SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
+- AdamW step:         read p, g, m, v; write p, m, v                              ~ 7 P s
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from te_lab.kernels.adamw import FusedAdamW
 from te_lab.kernels.bias_act import linear_act
 from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
@@ -114,3 +116,48 @@ def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list
             fused=(lambda activation: lambda g, u, backend: glu(g, u, activation, backend=backend))(activation),
             bytes_moved=_bytes(gate) * 8))
     return cases
+
+
+@dataclass
+class OptimizerCase:
+    """One optimizer step over a transformer-shaped parameter set; ``steps`` maps a
+    contender's name to its zero-argument step (state already allocated)."""
+
+    op: str
+    title: str
+    steps: dict
+    bytes_moved: int
+    flops: Optional[int] = None
+
+
+def _transformer_parameter_shapes(hidden: int, layers: int, vocab: int, mlp: int) -> list[tuple]:
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden, hidden)] * 4 + [(mlp, hidden)] * 2 + [(hidden, mlp)] + [(hidden,)] * 2
+    return shapes + [(hidden,)]
+
+
+def adamw_case(device: torch.device, dtype: torch.dtype, scale: int = 1) -> OptimizerCase:
+    """AdamW over ~21M parameters (scale 1; ~100M at scale 5 on GPUs): te_lab's FusedAdamW
+    against torch.optim.AdamW's default (foreach) step and torch.compile of that step."""
+    shapes = _transformer_parameter_shapes(512, 5 * scale, 8192, 1536)
+
+    def prepared_step(make_optimizer):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(0.02 * torch.randn(shape, device=device).to(dtype)) for shape in shapes]
+        for param in params:
+            param.grad = 1e-3 * torch.randn_like(param)
+        optimizer = make_optimizer(params)
+        optimizer.step()  # allocates the state outside the timed steps
+        return optimizer.step
+
+    steps = {
+        "eager": prepared_step(torch.optim.AdamW),
+        "torch.compile": torch.compile(prepared_step(torch.optim.AdamW)),
+        "torch AdamW(fused=True)": prepared_step(lambda p: torch.optim.AdamW(p, fused=True)),
+        "te_lab FusedAdamW": prepared_step(FusedAdamW),
+    }
+    count = sum(torch.Size(shape).numel() for shape in shapes)
+    element = torch.empty((), dtype=dtype).element_size()
+    return OptimizerCase("adamw", f"AdamW step, {count / 1e6:.0f}M {str(dtype).split('.')[-1]} parameters "
+                         f"in {len(shapes)} tensors", steps, bytes_moved=7 * count * element)
