@@ -90,6 +90,12 @@ def resolve(device: DeviceLike = None) -> torch.device:
             f"device: expected a str such as 'cpu', 'cuda:0', 'musa' or a torch.device, "
             f"got {type(device).__name__}"
         )
+    # torch cannot parse "musa" until torch_musa has registered it, so an absent GPU
+    # type is reported as unavailable before torch is asked to parse the string.
+    if isinstance(device, str):
+        kind = device.split(":", 1)[0]
+        if kind in GPU_TYPES and device_count(kind) == 0:
+            raise _unavailable_error(device)
     try:
         parsed = torch.device(device)
     except RuntimeError as error:
@@ -105,16 +111,20 @@ def resolve(device: DeviceLike = None) -> torch.device:
         return torch.device("cpu")
     count = device_count(parsed.type)
     if count == 0:
-        raise ValueError(
-            f"device: {device!r} is not available on this machine "
-            f"(available: {', '.join(str(d) for d in available_devices())})"
-        )
+        raise _unavailable_error(device)
     index = 0 if parsed.index is None else parsed.index
     if index >= count:
         raise ValueError(
             f"device: {device!r} does not exist; this machine has {count} {parsed.type} device(s)"
         )
     return torch.device(parsed.type, index)
+
+
+def _unavailable_error(device: DeviceLike) -> ValueError:
+    return ValueError(
+        f"device: {device!r} is not available on this machine "
+        f"(available: {', '.join(str(d) for d in available_devices())})"
+    )
 
 
 def is_gpu(device: torch.device) -> bool:
@@ -233,6 +243,7 @@ class DevicePeak:
 # Public vendor figures (dense, no sparsity). Matched against the device name in order:
 # every substring of an entry must appear in the name, most specific entries first.
 PEAK_TABLE: tuple[tuple[tuple[str, ...], DevicePeak], ...] = (
+    (("GH200",), DevicePeak("NVIDIA GH200 96GB", 4000.0, 67.0, 989.0, "NVIDIA GH200 datasheet (HBM3)")),
     (("H200",), DevicePeak("NVIDIA H200", 4800.0, 67.0, 989.0, "NVIDIA H200 datasheet (SXM)")),
     (("H100", "PCIe"), DevicePeak("NVIDIA H100 PCIe", 2000.0, 51.0, 756.0, "NVIDIA H100 datasheet")),
     (("H100", "NVL"), DevicePeak("NVIDIA H100 NVL", 3900.0, 60.0, 835.0, "NVIDIA H100 datasheet")),

@@ -6,11 +6,13 @@ GPUs. The variable must be set before any kernel is defined, hence here, before
 te_lab is imported.
 """
 
+import importlib.util
 import os
 
 import torch
 
-if not torch.cuda.is_available() and not hasattr(torch, "musa"):
+# torch.musa exists only once torch_musa is imported, so look for the package itself.
+if not torch.cuda.is_available() and importlib.util.find_spec("torch_musa") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

@@ -1,0 +1,116 @@
+# te_lab's single entry point: `make test` sets up what the tests need and runs them.
+#
+#   make test            both passes below (what .ci/run runs)
+#   make test-main       .venv: te_lab[dev] with the newest Triton, the whole suite
+#   make test-triton32   .venv-triton32: the Triton kernels through Triton 3.2's
+#                        interpreter, the release Moore Threads ships for MUSA
+#   make clean-venvs     remove both environments
+#
+# Set-up runs once: each environment keeps a stamp that is newer than pyproject.toml
+# while its install is current, so a second `make test` goes straight to pytest.
+# PYTEST_ARGS is passed to both pytest runs (e.g. PYTEST_ARGS='-x -k rms_norm').
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_TRITON32 ?= .venv-triton32
+PYTEST_ARGS ?=
+
+# torch's CPU build; on this project's machines pip takes it from local disk. A bare
+# `torch` (or a range a newer release satisfies) would pull PyPI's multi-GB CUDA build.
+CPU_TORCH := torch==2.13.0
+TRITON32_PACKAGES := $(CPU_TORCH) triton==3.2.0 'numpy<2.4' pytest pytest-timeout
+# Triton 3.2's interpreter converts arrays to scalars the way numpy >= 1.25 deprecates,
+# thousands of times per run; that warning says nothing about te_lab.
+TRITON32_PYTEST_ARGS := -m triton_interpreter -W 'ignore:Conversion of an array with ndim > 0:DeprecationWarning'
+
+STAMP := .te_lab-installed
+
+# "nvidia", "musa" or empty: which GPU driver this machine has. The vendors' tools
+# answer only where their driver is loaded.
+GPU_VENDOR := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo nvidia; \
+                      elif mthreads-gmi >/dev/null 2>&1; then echo musa; fi)
+
+# Prints "torch==X triton==Y" for what a venv holds, reading package metadata (fast:
+# torch is not imported).
+INSTALLED_VERSIONS := -c 'import importlib.metadata as m; \
+  names = {(d.metadata["Name"] or "").lower(): d.version for d in m.distributions()}; \
+  print(" ".join(name + "==" + names[name] for name in ("torch", "triton") if name in names))'
+
+# Runs pytest, listing the slowest tests so CI's time budget stays visible; "no tests
+# collected" (exit 5) fails with a reason, since both passes have tests to run: none
+# means an environment is broken, not that all is well.
+# $(1): the venv, $(2): pytest arguments.
+define run_pytest
+status=0; $(1)/bin/python -m pytest --durations=10 $(2) $(PYTEST_ARGS) || status=$$?; \
+if [ "$$status" -eq 5 ]; then \
+  echo "make: pytest in $(1) collected no tests: PYTEST_ARGS selects none, or the environment" \
+       "lacks what the tests need (for the Triton 3.2 pass: an importable triton)" >&2; \
+  exit 1; \
+fi; \
+exit "$$status"
+endef
+
+.PHONY: test test-main test-triton32 clean-venvs
+
+test: test-main test-triton32
+
+test-main: $(VENV)/$(STAMP)
+	@echo "== te_lab tests in $(VENV) ($$($(VENV)/bin/python $(INSTALLED_VERSIONS)))"
+	@$(call run_pytest,$(VENV),)
+
+# The environment that the machine's torch build stays in: a torch already in $(VENV)
+# (the user's, e.g. Moore Threads' torch + torch_musa, or a CUDA build) is kept; with
+# none, the CPU build goes in first on a machine without a GPU, and on an NVIDIA
+# machine pip resolves torch>=2.5 to PyPI's default (CUDA) build. The versions of torch
+# and triton present before the package install must survive it.
+$(VENV)/$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || { echo "== creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@if $(VENV)/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then \
+	  echo "== keeping the torch in $(VENV)"; \
+	elif [ "$(GPU_VENDOR)" = musa ]; then \
+	  echo "make: a MUSA GPU and no torch in $(VENV): install Moore Threads' torch, torch_musa" \
+	       "and triton wheels into $(VENV) first (README.md, 'MUSA')" >&2; \
+	  exit 1; \
+	elif [ "$(GPU_VENDOR)" = nvidia ]; then \
+	  echo "== NVIDIA GPU found: pip installs torch's default (CUDA) build with te_lab"; \
+	else \
+	  echo "== no GPU: installing torch's CPU build ($(CPU_TORCH))"; \
+	  $(VENV)/bin/python -m pip install --quiet $(CPU_TORCH); \
+	fi
+	@before="$$($(VENV)/bin/python $(INSTALLED_VERSIONS))"; \
+	echo "== installing te_lab[dev] (editable) into $(VENV)"; \
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'; \
+	after="$$($(VENV)/bin/python $(INSTALLED_VERSIONS))"; \
+	for pinned in $$before; do \
+	  case " $$after " in *" $$pinned "*) ;; \
+	    *) echo "make: installing te_lab[dev] replaced $$pinned (now: $$after)" >&2; exit 1;; \
+	  esac; \
+	done; \
+	echo "== $(VENV) ready: $$after"
+	@touch $@
+
+ifeq ($(GPU_VENDOR),)
+test-triton32: $(VENV_TRITON32)/$(STAMP)
+	@echo "== Triton 3.2 interpreter tests in $(VENV_TRITON32) ($$($(VENV_TRITON32)/bin/python $(INSTALLED_VERSIONS)))"
+	@$(call run_pytest,$(VENV_TRITON32),$(TRITON32_PYTEST_ARGS))
+else
+test-triton32:
+	@echo "== skipping the Triton 3.2 interpreter pass: it needs torch's CPU build," \
+	      "and this machine has a $(GPU_VENDOR) GPU (CI runs it on CPU-only machines)"
+endif
+
+# Only what the Triton kernels' tests import; te_lab goes in without its dependencies
+# so that nothing can move torch or triton off the pinned versions.
+$(VENV_TRITON32)/$(STAMP): pyproject.toml
+	@test -x $(VENV_TRITON32)/bin/python || { echo "== creating $(VENV_TRITON32)"; $(PYTHON) -m venv $(VENV_TRITON32); }
+	@echo "== installing $(TRITON32_PACKAGES) into $(VENV_TRITON32)"
+	@$(VENV_TRITON32)/bin/python -m pip install --quiet $(TRITON32_PACKAGES)
+	@$(VENV_TRITON32)/bin/python -m pip install --quiet --no-deps -e .
+	@touch $@
+
+clean-venvs:
+	rm -rf $(VENV) $(VENV_TRITON32)

@@ -1,0 +1,317 @@
+"""The device layer: detection, resolution and its errors, timing, memory stats, the
+peak table, and when the triton backend may run.
+
+GPU detection is exercised by faking device counts, so these tests say the same on a
+CPU-only machine as on a MUSA or CUDA one.
+"""
+
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from te_lab import device as devices
+
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fake_gpus(monkeypatch, **counts):
+    """Pretend this machine has ``counts`` devices per GPU type (e.g. ``cuda=2``)."""
+    real_device_count = devices.device_count
+
+    def device_count(device_type):
+        if device_type in devices.GPU_TYPES:
+            return counts.get(device_type, 0)
+        return real_device_count(device_type)
+
+    monkeypatch.setattr(devices, "device_count", device_count)
+
+
+# ---- detection ---------------------------------------------------------------------
+
+def test_cpu_is_always_available_and_listed_last():
+    assert devices.is_available("cpu")
+    assert devices.available_devices()[-1] == CPU
+    assert devices.default_device() == devices.available_devices()[0]
+
+
+@pytest.mark.skipif(len(devices.available_devices()) > 1, reason="this machine has a GPU")
+def test_default_device_is_cpu_without_gpus():
+    assert devices.default_device() == CPU
+    assert devices.resolve(None) == CPU
+    assert not devices.is_available("cuda")
+    assert not devices.is_available("musa")
+
+
+def test_unknown_device_types_are_not_available():
+    assert not devices.is_available("mps")
+    assert devices.device_count("cpu") == 1
+
+
+def test_gpus_come_first_and_the_first_gpu_is_the_default(monkeypatch):
+    fake_gpus(monkeypatch, cuda=2)
+    assert devices.available_devices() == [torch.device("cuda", 0), torch.device("cuda", 1), CPU]
+    assert devices.default_device() == torch.device("cuda", 0)
+
+
+def test_musa_is_preferred_to_cuda():
+    # A faked MUSA device cannot be built: torch parses "musa" only once torch_musa is
+    # imported. The preference is the order of GPU_TYPES, which detection walks.
+    assert devices.GPU_TYPES == ("musa", "cuda")
+
+
+# ---- resolve -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["cpu", "cpu:0", CPU, None], ids=repr)
+def test_resolve_accepts_the_cpu(spec, monkeypatch):
+    fake_gpus(monkeypatch)
+    assert devices.resolve(spec) == CPU
+
+
+def test_resolve_gives_gpus_an_explicit_index(monkeypatch):
+    fake_gpus(monkeypatch, cuda=2)
+    assert devices.resolve("cuda") == torch.device("cuda", 0)
+    assert devices.resolve("cuda:1") == torch.device("cuda", 1)
+    assert devices.resolve(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+def test_resolve_rejects_an_index_past_the_last_gpu(monkeypatch):
+    fake_gpus(monkeypatch, cuda=2)
+    with pytest.raises(ValueError, match=r"device: 'cuda:2' does not exist; this machine has 2 cuda"):
+        devices.resolve("cuda:2")
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "musa", "musa:1", torch.device("cuda", 0)], ids=repr)
+def test_resolve_rejects_unavailable_gpus_and_lists_what_is_available(spec, monkeypatch):
+    fake_gpus(monkeypatch)
+    with pytest.raises(ValueError) as raised:
+        devices.resolve(spec)
+    message = str(raised.value)
+    assert message.startswith("device: ")
+    assert repr(spec) in message
+    assert "not available" in message
+    assert "(available: cpu)" in message
+
+
+@pytest.mark.parametrize("spec", ["", "gpu", "cpu:x", "cpu:-1"])
+def test_resolve_rejects_strings_that_are_not_devices(spec):
+    with pytest.raises(ValueError, match=r"^device: .* is not a device string \(expected 'cpu', 'cuda'"):
+        devices.resolve(spec)
+
+
+@pytest.mark.parametrize("spec", ["mps", "meta", "privateuseone"])
+def test_resolve_rejects_device_types_te_lab_does_not_support(spec):
+    with pytest.raises(ValueError, match=rf"device: '{spec}' has type .*te_lab supports 'cpu', 'cuda' and 'musa'"):
+        devices.resolve(spec)
+
+
+@pytest.mark.parametrize("spec", [0, 1.5, b"cpu", ["cpu"]], ids=repr)
+def test_resolve_rejects_other_types(spec):
+    with pytest.raises(TypeError, match=rf"device: expected a str .* got {type(spec).__name__}"):
+        devices.resolve(spec)
+
+
+# ---- per-device services on the CPU ------------------------------------------------
+
+def test_cpu_timer_measures_wall_time():
+    sleep_s = 0.05
+    with devices.Timer("cpu") as timer:
+        assert timer.elapsed_ms is None
+        time.sleep(sleep_s)
+    # structure, not speed: at least the sleep, and not absurdly more on a busy machine
+    assert sleep_s * 1e3 <= timer.elapsed_ms < sleep_s * 1e3 + 5_000
+
+
+def test_memory_stats_are_none_on_the_cpu():
+    assert devices.memory_allocated("cpu") is None
+    assert devices.max_memory_allocated("cpu") is None
+    assert devices.reset_peak_memory_stats("cpu") is None
+    assert devices.synchronize("cpu") is None
+
+
+def test_cpu_has_a_name():
+    name = devices.device_name("cpu")
+    assert isinstance(name, str) and name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cpu_supports_the_float_dtypes(dtype):
+    assert devices.supports_dtype(dtype, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64], ids=str)
+def test_non_float_dtypes_are_not_supported(dtype):
+    assert not devices.supports_dtype(dtype, "cpu")
+
+
+def test_cpu_multiprocessor_count_is_the_cores_this_process_may_use():
+    assert devices.multiprocessor_count("cpu") == len(os.sched_getaffinity(0))
+
+
+def test_cpu_profiler_activities_and_distributed_backend():
+    from torch.profiler import ProfilerActivity
+
+    assert devices.profiler_activities("cpu") == [ProfilerActivity.CPU]
+    assert devices.distributed_backend("cpu") == "gloo"
+
+
+def test_device_guard_on_the_cpu_is_a_no_op():
+    with devices.device_guard(CPU):
+        pass
+
+
+# ---- peak table --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, entry", [
+    ("NVIDIA H200", "NVIDIA H200"),
+    ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM"),
+    ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe"),
+    ("NVIDIA H100 NVL", "NVIDIA H100 NVL"),
+    ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB SXM"),
+    ("NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe"),
+    ("NVIDIA A100-SXM4-40GB", "NVIDIA A100 40GB"),
+    ("MTT S4000", "Moore Threads MTT S4000"),
+    ("mtt s4000", "Moore Threads MTT S4000"),
+])
+def test_lookup_peak_matches_known_devices(name, entry):
+    peak = devices.lookup_peak(name)
+    assert peak is not None and peak.name == entry
+    assert peak.memory_bandwidth_gbs > 0 and peak.source
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "MTT S80", "Intel(R) Xeon(R) CPU", ""])
+def test_lookup_peak_does_not_guess_unknown_devices(name):
+    assert devices.lookup_peak(name) is None
+
+
+def test_cpu_peak_is_the_measured_copy_bandwidth_measured_once(monkeypatch):
+    monkeypatch.setattr(devices, "_measured_bandwidth", {})
+    timers_started = []
+
+    class CountingTimer(devices.Timer):
+        def __enter__(self):
+            timers_started.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(devices, "Timer", CountingTimer)
+    first = devices.peak("cpu")
+    measurements = len(timers_started)
+    second = devices.peak("cpu")
+    assert measurements > 0
+    assert len(timers_started) == measurements, "the second call measured again"
+    assert first == second
+    assert first.source == "measured copy bandwidth"
+    assert first.memory_bandwidth_gbs > 0
+    assert first.fp32_tflops is None and first.bf16_tflops is None
+    assert first.name == devices.device_name("cpu")
+
+
+# ---- when the triton backend may run -----------------------------------------------
+
+def fake_modules(monkeypatch, present=(), raising=()):
+    """Make find_spec see exactly ``present`` among triton's modules; names in
+    ``raising`` raise ModuleNotFoundError as a submodule of a missing package does."""
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in raising:
+            raise ModuleNotFoundError(name)
+        if name == "triton" or name.startswith("triton."):
+            return object() if name in present else None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.fixture
+def fresh_triton_reasons(monkeypatch):
+    """The reasons are cached per process; give each test an empty cache."""
+    monkeypatch.setattr(devices, "_triton_reasons", {})
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "musa", "cpu"])
+def test_triton_needs_triton_installed(device_type, monkeypatch):
+    fake_modules(monkeypatch, present=())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "Triton is not installed" in devices._triton_backend_for(device_type)
+
+
+def test_triton_runs_on_cuda_when_installed(monkeypatch):
+    fake_modules(monkeypatch, present=("triton",))
+    assert devices._triton_backend_for("cuda") is None
+
+
+@pytest.mark.parametrize("backend", ["triton.backends.mtgpu", "triton.backends.mthreads"])
+def test_triton_runs_on_musa_with_a_moore_threads_backend(backend, monkeypatch):
+    fake_modules(monkeypatch, present=("triton", "triton.backends", backend))
+    assert devices._triton_backend_for("musa") is None
+
+
+def test_triton_on_musa_tolerates_a_missing_backends_package(monkeypatch):
+    fake_modules(monkeypatch, present=("triton", "triton.backends.mtgpu"), raising=("triton.backends.mthreads",))
+    assert devices._triton_backend_for("musa") is None
+
+
+def test_upstream_triton_does_not_run_on_musa(monkeypatch):
+    fake_modules(monkeypatch, present=("triton", "triton.backends", "triton.backends.nvidia"))
+    assert "no Moore Threads backend" in devices._triton_backend_for("musa")
+
+
+@pytest.mark.parametrize("interpret", [None, "0", ""])
+def test_triton_is_refused_on_the_cpu(interpret, monkeypatch):
+    fake_modules(monkeypatch, present=("triton",))
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    assert "do not run on the CPU" in devices._triton_backend_for("cpu")
+
+
+def test_triton_interpreter_is_allowed_on_the_cpu(monkeypatch):
+    fake_modules(monkeypatch, present=("triton",))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert devices._triton_backend_for("cpu") is None
+
+
+def test_triton_reason_is_computed_once_per_device_type(monkeypatch, fresh_triton_reasons):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    refused = devices.triton_unavailable_reason("cpu")
+    assert refused is not None and not devices.triton_available("cpu")
+    # the environment changes, the cached answer does not
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert devices.triton_unavailable_reason("cpu") == refused
+
+
+# ---- no code path assumes a GPU is a CUDA GPU -----------------------------------------
+
+# Only the device layer may name a device type's module or compare against "cuda"; the
+# rest of te_lab asks it (DESIGN.md: MUSA is a first-class target).
+CUDA_ASSUMPTIONS = re.compile(
+    r"""\.type\s*[!=]=\s*["']cuda|["']cuda["']\s*[!=]=|\.is_cuda\b|torch\.cuda\.|accelerator\.synchronize\s*\("""
+)
+
+
+def shipped_sources():
+    for folder in ("te_lab", "kernels", "extensions", "benchmarks"):
+        yield from sorted((REPO / folder).rglob("*.py"))
+
+
+def test_only_the_device_layer_knows_about_cuda():
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in shipped_sources()
+        if path != REPO / "te_lab" / "device.py"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if CUDA_ASSUMPTIONS.search(line)
+    ]
+    assert not offenders, "use te_lab.device instead:\n" + "\n".join(offenders)
+
+
+def test_the_device_layer_does_not_call_torch_accelerator_synchronize():
+    source = (REPO / "te_lab" / "device.py").read_text(encoding="utf-8")
+    assert not re.search(r"accelerator\.synchronize\s*\(", source)
