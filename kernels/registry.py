@@ -6,8 +6,8 @@ that implement it. :func:`select_backend` picks one per call, in this order:
 
 1. the ``backend=`` argument of the call,
 2. the innermost :func:`use_backend` context,
-3. the ``TE_LAB_BACKEND`` environment variable (``"inductor"`` for every op, or
-   ``"rms_norm=native,glu=inductor"`` per op),
+3. the ``TE_LAB_BACKEND`` environment variable (``"inductor"`` for every op that has
+   an Inductor backend, or ``"rms_norm=native,glu=inductor"`` per op),
 4. automatic: ``triton`` where Triton runs on the device, else the op's preferred
    CPU backend (``native`` when an existing fused ATen kernel does the job well,
    ``inductor`` otherwise), and ``reference`` as the last resort.
@@ -127,18 +127,26 @@ def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
         _OVERRIDES.remove(overrides)
 
 
-def _forced_backend(op_name: str) -> tuple[Optional[str], str]:
-    """The backend forced by a context or the environment, and who forced it."""
+def _forced_backend(op: FusedOp) -> tuple[Optional[str], str]:
+    """The backend forced by a context or the environment, and who forced it.
+
+    A catch-all (``use_backend("inductor")``, ``TE_LAB_BACKEND=inductor``) forces only
+    the ops that implement that backend; the others keep choosing automatically, so
+    "use Inductor" does not break the optimizer, which has no Inductor backend. An
+    override naming the op is strict.
+    """
+    def pick(overrides: dict[str, str]) -> Optional[str]:
+        if op.name in overrides:
+            return overrides[op.name]
+        catch_all = overrides.get("*")
+        return catch_all if catch_all in op.backends() + ("auto",) else None
+
     for overrides in reversed(_OVERRIDES):
-        for key in (op_name, "*"):
-            if key in overrides:
-                return overrides[key], "use_backend()"
+        if pick(overrides) is not None:
+            return pick(overrides), "use_backend()"
     spec = os.environ.get(ENV_VAR, "")
-    if spec:
-        overrides = _parse_overrides(spec, ENV_VAR)
-        for key in (op_name, "*"):
-            if key in overrides:
-                return overrides[key], f"{ENV_VAR}={spec!r}"
+    if spec and pick(_parse_overrides(spec, ENV_VAR)) is not None:
+        return pick(_parse_overrides(spec, ENV_VAR)), f"{ENV_VAR}={spec!r}"
     return None, ""
 
 
@@ -166,7 +174,7 @@ def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] =
     if requested is not None:
         _check_backend_name(requested, f"{op.name}(backend)")
     if requested in (None, "auto"):
-        requested, source = _forced_backend(op.name)
+        requested, source = _forced_backend(op)
     if requested not in (None, "auto"):
         reason = unavailable_reason(op, requested, device)
         if reason is not None:

@@ -217,6 +217,22 @@ def test_forcing_a_backend_the_op_lacks():
     assert "has no 'triton' backend" in str(raised.value)
 
 
+def test_a_catch_all_skips_ops_that_lack_the_backend(monkeypatch):
+    native_only = probe_op("native_only", backends=("native",))
+    with use_backend("inductor"):
+        assert select_backend(PROBE, CPU) == "inductor"
+        assert select_backend(native_only, CPU) == "native"  # automatic, not an error
+    monkeypatch.setenv(ENV_VAR, "inductor")
+    assert select_backend(native_only, CPU) == "native"
+
+
+def test_a_per_op_override_is_strict_even_for_a_backend_the_op_lacks():
+    native_only = probe_op("native_only", backends=("native",))
+    with use_backend(native_only="inductor"), pytest.raises(ValueError) as raised:
+        select_backend(native_only, CPU)
+    assert_names_op_backend_device(raised, "native_only", "inductor", "use_backend()")
+
+
 # ---- unknown backend names ---------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["fast", "cuda", "Triton", ""])
