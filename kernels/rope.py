@@ -1,0 +1,438 @@
+"""Rotary position embedding, applied to q and k in one pass.
+
+Over the first ``rotary_dim = cos.shape[-1]`` dims of every head (the rest pass
+through unchanged, as in GPT-NeoX's partial rotary):
+
+    out = x * cos + rotate(x) * sin
+
+``rotate`` pairs up the rotary dims and turns each pair (a, b) into (-b, a). The pairs
+are (i, i + rotary_dim/2) in the rotate-half layout (Llama, Mistral, Qwen:
+``rotate_half(x) = cat(-x2, x1)``) and (2i, 2i + 1) with ``interleaved=True`` (GPT-J).
+``cos`` and ``sin`` follow Hugging Face's convention, one value per rotary dim:
+``cat(freqs, freqs).cos()`` for rotate-half, ``freqs.repeat_interleave(2).cos()`` for
+interleaved. They are given per position, so position ids, scaling schemes and packed
+sequences are the caller's business. Math runs in float32 (float64 for float64
+inputs); outputs have q's and k's dtype.
+
+The fused backends compute each pair (a, b) at dims (i, j) on its own:
+
+    out_i = a * cos_i - b * sin_i        out_j = b * cos_j + a * sin_j
+
+Backward is the transposed rotation: da = dout_i * cos_i + dout_j * sin_j and
+db = dout_j * cos_j - dout_i * sin_i, the same formula with (sin_i, sin_j) replaced by
+(-sin_j, -sin_i) (with HF's tables, where sin_i = sin_j, a rotation by -sin). The
+backward therefore runs the forward's kernel (or compiled graph) once more, for q and
+k together. cos and sin are treated as constants and receive no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from te_lab import device as devices
+
+from .checks import check_choice, check_tensor
+from .compiled import inductor_compiled
+from .precision import compute_dtype, triton_compute_dtype
+from .registry import FusedOp, register_op, select_backend
+from .triton_support import HAS_TRITON, num_warps_for, tl, triton
+
+NAME = "rope"
+LAYOUTS = ("bhsd", "bshd")
+# Where the heads and the sequence sit in q and k, per layout.
+_DIMS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
+_SEQ_DIM = {"bhsd": 2, "bshd": 1}
+_HEAD_DIM = {"bhsd": 1, "bshd": 2}
+_OTHER_LAYOUT = {"bhsd": "bshd", "bshd": "bhsd"}
+
+
+def _broadcastable(table: Tensor, layout: str) -> Tensor:
+    """``cos``/``sin`` of shape [seq, rotary_dim] or [batch, seq, rotary_dim] with a size-1
+    heads dim inserted where ``layout`` has it (Hugging Face's ``unsqueeze_dim``)."""
+    return table.unsqueeze(-3 if layout == "bhsd" else -2)
+
+
+def rotate_pairs(x: Tensor, interleaved: bool) -> Tensor:
+    """(a, b) -> (-b, a) for every rotary pair of the last dim: Hugging Face's
+    ``rotate_half`` or, interleaved, GPT-J's ``rotate_every_two``."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    acc = compute_dtype(x)
+    rotary_dim = cos.shape[-1]
+    rotary = x[..., :rotary_dim].to(acc)
+    rotated = rotary * cos.to(acc) + rotate_pairs(rotary, interleaved) * sin.to(acc)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
+                           interleaved: bool = False, layout: str = "bhsd"):
+    """The unfused PyTorch math (Hugging Face's ``apply_rotary_pos_emb``, in float32):
+    the truth every backend is compared against.
+
+    Unlike the fused backends it is plain autograd, so cos and sin get gradients
+    here if they require them.
+    """
+    cos, sin = _broadcastable(cos, layout), _broadcastable(sin, layout)
+    return _rotate_reference(q, cos, sin, interleaved), _rotate_reference(k, cos, sin, interleaved)
+
+
+def transposed_sin(sin: Tensor, interleaved: bool) -> Tensor:
+    """The sin table that makes the forward formula compute the backward: each rotary
+    pair's two entries swapped and negated (see the module doc)."""
+    if interleaved:
+        return -sin.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    first, second = sin.chunk(2, dim=-1)
+    return -torch.cat((second, first), dim=-1)
+
+
+# ---- the inductor backend: one compiled graph rotates q and k, forward and backward ----
+
+def _pair_halves(t: Tensor, rotary_dim: int, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """The first and the second member of every rotary pair of ``t``'s last dim."""
+    if interleaved:
+        return t[..., 0:rotary_dim:2], t[..., 1:rotary_dim:2]
+    half = rotary_dim // 2
+    return t[..., :half], t[..., half:rotary_dim]
+
+
+def _rotate_by_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    # Inductor on the CPU lowers every cat to a buffer of its own; here the only cat
+    # builds the output itself, so each piece is written once, straight into it.
+    # (HF's formula, compiled, materializes rotate_half(x) as a full-size temporary.)
+    acc = compute_dtype(x)
+    rotary_dim = cos.shape[-1]
+    x_first, x_second = (half.to(acc) for half in _pair_halves(x, rotary_dim, interleaved))
+    cos_first, cos_second = (half.to(acc) for half in _pair_halves(cos, rotary_dim, interleaved))
+    sin_first, sin_second = (half.to(acc) for half in _pair_halves(sin, rotary_dim, interleaved))
+    out_first = (x_first * cos_first - x_second * sin_first).to(x.dtype)
+    out_second = (x_second * cos_second + x_first * sin_second).to(x.dtype)
+    if interleaved:
+        rotated = torch.stack((out_first, out_second), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((out_first, out_second), dim=-1)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def _rotate_both(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str):
+    cos, sin = _broadcastable(cos, layout), _broadcastable(sin, layout)
+    return _rotate_by_pairs(q, cos, sin, interleaved), _rotate_by_pairs(k, cos, sin, interleaved)
+
+
+# Layout, interleaving and the rank of cos/sin are part of the compiled copy's key (see
+# kernels/compiled.py), so each combination has its own recompile budget.
+_rotate_both_compiled = inductor_compiled(_rotate_both)
+
+
+class _Inductor:
+    @staticmethod
+    def forward(q, k, cos, sin, interleaved, layout):
+        # Detached so that forward (whose inputs require grad) and backward share a graph:
+        # torch.compile guards on requires_grad.
+        return _rotate_both_compiled(q.detach(), k.detach(), cos.detach(), sin.detach(), interleaved, layout)
+
+    @staticmethod
+    def backward(dq, dk, cos, sin, interleaved, layout):
+        # Incoming gradients are usually dense already; an odd stride pattern (the
+        # expanded gradient of a sum) is made contiguous rather than compiled for.
+        return _rotate_both_compiled(dq.contiguous(), dk.contiguous(), cos.detach(),
+                                     transposed_sin(sin.detach(), interleaved), interleaved, layout)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rotate_heads(X, OUT, x_position, out_position, n_heads, x_head_stride, out_head_stride,
+                      rotary_dim, head_dim, first, second, pair_mask,
+                      cos_first, cos_second, sin_first, sin_second,
+                      HAS_PASS: tl.constexpr, ACC: tl.constexpr,
+                      HEAD_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr):
+        """Rotate every head of one (batch, seq) position, HEAD_BLOCK heads at a time."""
+        # int64: head * head stride can pass 2**31 for long sequences in the "bhsd" layout
+        heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
+        pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
+        for head_start in range(0, n_heads, HEAD_BLOCK):
+            head = head_start + heads
+            head_mask = head < n_heads
+            x_heads = X + x_position + head[:, None] * x_head_stride
+            out_heads = OUT + out_position + head[:, None] * out_head_stride
+            mask = head_mask[:, None] & pair_mask[None, :]
+            x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
+            x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
+            out_first = x_first * cos_first[None, :] - x_second * sin_first[None, :]
+            out_second = x_second * cos_second[None, :] + x_first * sin_second[None, :]
+            tl.store(out_heads + first[None, :], out_first.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(out_heads + second[None, :], out_second.to(OUT.dtype.element_ty), mask=mask)
+            if HAS_PASS:
+                pass_mask = head_mask[:, None] & (pass_cols < head_dim)[None, :]
+                passed = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0)
+                tl.store(out_heads + pass_cols[None, :], passed, mask=pass_mask)
+
+    @triton.jit
+    def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, seq_len, heads_q, heads_k, head_dim, rotary_dim,
+                     q_batch_stride, q_seq_stride, q_head_stride,
+                     k_batch_stride, k_seq_stride, k_head_stride,
+                     q_out_batch_stride, q_out_seq_stride, q_out_head_stride,
+                     k_out_batch_stride, k_out_seq_stride, k_out_head_stride,
+                     table_batch_stride, table_seq_stride,
+                     INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_PASS: tl.constexpr,
+                     ACC: tl.constexpr, PAIR_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+                     PASS_BLOCK: tl.constexpr):
+        """One program per (batch, seq) position: cos/sin are loaded once, then every head
+        of q and of k is rotated. TRANSPOSE runs the backward: each pair's sin entries
+        swapped and negated (see the module doc)."""
+        position = tl.program_id(0).to(tl.int64)
+        batch = position // seq_len
+        seq = position % seq_len
+        pairs = tl.arange(0, PAIR_BLOCK)
+        pair_mask = pairs < rotary_dim // 2
+        if INTERLEAVED:
+            first = 2 * pairs
+            second = first + 1
+        else:
+            first = pairs
+            second = pairs + rotary_dim // 2
+        table = batch * table_batch_stride + seq * table_seq_stride
+        cos_first = tl.load(COS + table + first, mask=pair_mask, other=0.0).to(ACC)
+        cos_second = tl.load(COS + table + second, mask=pair_mask, other=0.0).to(ACC)
+        if TRANSPOSE:
+            sin_first = -tl.load(SIN + table + second, mask=pair_mask, other=0.0).to(ACC)
+            sin_second = -tl.load(SIN + table + first, mask=pair_mask, other=0.0).to(ACC)
+        else:
+            sin_first = tl.load(SIN + table + first, mask=pair_mask, other=0.0).to(ACC)
+            sin_second = tl.load(SIN + table + second, mask=pair_mask, other=0.0).to(ACC)
+        _rotate_heads(Q, Q_OUT, batch * q_batch_stride + seq * q_seq_stride,
+                      batch * q_out_batch_stride + seq * q_out_seq_stride,
+                      heads_q, q_head_stride, q_out_head_stride, rotary_dim, head_dim,
+                      first, second, pair_mask, cos_first, cos_second, sin_first, sin_second,
+                      HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
+        _rotate_heads(K, K_OUT, batch * k_batch_stride + seq * k_seq_stride,
+                      batch * k_out_batch_stride + seq * k_out_seq_stride,
+                      heads_k, k_head_stride, k_out_head_stride, rotary_dim, head_dim,
+                      first, second, pair_mask, cos_first, cos_second, sin_first, sin_second,
+                      HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+# A program's tile holds this many (head, pair) elements at most; larger head counts loop.
+_TILE_ELEMENTS = 2048
+
+
+def _launch_triton(q, k, cos, sin, interleaved, layout, transpose):
+    seq_dim, head_dim_index = _SEQ_DIM[layout], _HEAD_DIM[layout]
+    # The kernel walks heads, positions and batches by stride; only the last dim must be dense.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    table_shape = cos.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    batch, seq_len, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
+    heads_q, heads_k = q.shape[head_dim_index], k.shape[head_dim_index]
+    positions = batch * seq_len
+    if positions == 0:
+        return q_out, k_out
+    rotary_dim = table_shape[-1]
+    pair_block = _power_of_two_at_least(rotary_dim // 2)
+    head_block = min(_power_of_two_at_least(max(heads_q, heads_k)), max(1, _TILE_ELEMENTS // pair_block))
+    pass_block = _power_of_two_at_least(head_dim - rotary_dim)
+    # cos/sin are [seq, rotary_dim] or [1 or batch, seq, rotary_dim]; a batch of one broadcasts.
+    table_batch_stride = cos.stride(0) if len(table_shape) == 3 and table_shape[0] == batch else 0
+
+    def strides(x):
+        return x.stride(0), x.stride(seq_dim), x.stride(head_dim_index)
+
+    with devices.device_guard(q.device):
+        _rope_kernel[(positions,)](
+            q, k, cos, sin, q_out, k_out, seq_len, heads_q, heads_k, head_dim, rotary_dim,
+            *strides(q), *strides(k), *strides(q_out), *strides(k_out),
+            table_batch_stride, cos.stride(-2),
+            INTERLEAVED=interleaved, TRANSPOSE=transpose, HAS_PASS=rotary_dim < head_dim,
+            ACC=triton_compute_dtype(q), PAIR_BLOCK=pair_block, HEAD_BLOCK=head_block,
+            PASS_BLOCK=pass_block, num_warps=num_warps_for(head_block * pair_block))
+    return q_out, k_out
+
+
+class _Triton:
+    @staticmethod
+    def forward(q, k, cos, sin, interleaved, layout):
+        return _launch_triton(q, k, cos, sin, interleaved, layout, transpose=False)
+
+    @staticmethod
+    def backward(dq, dk, cos, sin, interleaved, layout):
+        return _launch_triton(dq, dk, cos, sin, interleaved, layout, transpose=True)
+
+
+_IMPLEMENTATIONS = {"inductor": _Inductor}
+if HAS_TRITON:
+    _IMPLEMENTATIONS["triton"] = _Triton
+
+ROPE = register_op(FusedOp(
+    name=NAME,
+    reference=apply_rotary_reference,
+    implementations=_IMPLEMENTATIONS,
+    cpu_preference="inductor",
+))
+
+
+# ---- the torch.library custom ops: what torch.compile and the profiler see ----
+
+def _memory_layout(q: Tensor, k: Tensor, layout: str) -> str:
+    """The layout the backends work in: the other one when q and k are both transposed
+    views of memory in it (Hugging Face's ``q_proj(x).view(b, s, h, d).transpose(1, 2)``),
+    else ``layout``. Outputs are laid out the same way, as eager PyTorch would lay them
+    out, so no transposing copy happens here or in the projections' backward."""
+    if not (q.is_contiguous() and k.is_contiguous()) and \
+            q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
+        return _OTHER_LAYOUT[layout]
+    return layout
+
+
+def _as_layout(x: Tensor, layout: str, memory_layout: str) -> Tensor:
+    """``x`` viewed with its dims in ``memory_layout``'s order, or back (its own inverse)."""
+    return x if memory_layout == layout else x.transpose(1, 2)
+
+
+def _rotate_in_memory_layout(direction: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                             interleaved: bool, layout: str, backend: str):
+    """The backend's ``forward`` or ``backward`` run in :func:`_memory_layout`."""
+    memory = _memory_layout(q, k, layout)
+    rotate = getattr(_IMPLEMENTATIONS[backend], direction)
+    outputs = rotate(_as_layout(q, layout, memory), _as_layout(k, layout, memory), cos, sin, interleaved, memory)
+    return tuple(_as_layout(out.contiguous(), layout, memory) for out in outputs)
+
+
+def _empty_outputs(q: Tensor, k: Tensor, layout: str):
+    """Outputs laid out as :func:`_rotate_in_memory_layout` lays them out, for tracing."""
+    memory = _memory_layout(q, k, layout)
+    outputs = []
+    for x in (q, k):
+        in_memory = _as_layout(x, layout, memory)
+        outputs.append(_as_layout(in_memory.new_empty(in_memory.shape), layout, memory))
+    return tuple(outputs)
+
+
+@torch.library.custom_op("te_lab::rope", mutates_args=())
+def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
+             backend: str) -> tuple[Tensor, Tensor]:
+    return _rotate_in_memory_layout("forward", q, k, cos, sin, interleaved, layout, backend)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, interleaved, layout, backend):
+    return _empty_outputs(q, k, layout)
+
+
+@torch.library.custom_op("te_lab::rope_backward", mutates_args=())
+def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
+                      layout: str, backend: str) -> tuple[Tensor, Tensor]:
+    return _rotate_in_memory_layout("backward", dq, dk, cos, sin, interleaved, layout, backend)
+
+
+@_rope_backward_op.register_fake
+def _(dq, dk, cos, sin, interleaved, layout, backend):
+    return _empty_outputs(dq, dk, layout)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, interleaved, layout, backend = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.interleaved, ctx.layout, ctx.backend = interleaved, layout, backend
+
+
+def _backward(ctx, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    dq, dk = _rope_backward_op(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.layout, ctx.backend)
+    # cos and sin are constants of the model (functions of positions), never trained.
+    return dq, dk, None, None, None, None, None
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- input checks ----
+
+def _check_inputs(q, k, cos, sin, interleaved, layout) -> None:
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{NAME}: interleaved must be a bool, got {interleaved!r}")
+    check_choice(NAME, "layout", layout, LAYOUTS)
+    dims = _DIMS[layout]
+    for name, x in (("q", q), ("k", k)):
+        check_tensor(NAME, name, x)
+        if x.dim() != 4:
+            raise ValueError(
+                f"{NAME}: {name} has shape {tuple(x.shape)}; expected 4 dims {dims} (layout={layout!r})")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{NAME}: k has dtype {k.dtype}; expected {q.dtype} like q")
+    if k.device != q.device:
+        raise ValueError(f"{NAME}: k is on {k.device}; expected {q.device} like q")
+    seq_dim = _SEQ_DIM[layout]
+    batch, seq_len, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
+    for what, index in (("batch", 0), ("seq", seq_dim), ("head_dim", 3)):
+        if k.shape[index] != q.shape[index]:
+            raise ValueError(
+                f"{NAME}: k has shape {tuple(k.shape)}; expected {what} {q.shape[index]} like q "
+                f"{tuple(q.shape)} (layout {layout!r}: {dims})")
+    check_tensor(NAME, "cos", cos)
+    if cos.dim() not in (2, 3):
+        raise ValueError(
+            f"{NAME}: cos has shape {tuple(cos.shape)}; expected [seq, rotary_dim] or "
+            f"[batch, seq, rotary_dim]")
+    rotary_dim = cos.shape[-1]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(
+            f"{NAME}: cos has rotary_dim (last dim) {rotary_dim}; expected an even number "
+            f"from 2 to head_dim {head_dim}")
+    if cos.shape[-2] != seq_len:
+        raise ValueError(
+            f"{NAME}: cos has shape {tuple(cos.shape)}; expected seq {seq_len} in dim -2, like q's seq")
+    if cos.dim() == 3 and cos.shape[0] not in (1, batch):
+        raise ValueError(
+            f"{NAME}: cos has shape {tuple(cos.shape)}; expected batch 1 or {batch} in dim 0, like q's batch")
+    if cos.device != q.device:
+        raise ValueError(f"{NAME}: cos is on {cos.device}; expected {q.device} like q")
+    check_tensor(NAME, "sin", sin)
+    if sin.shape != cos.shape:
+        raise ValueError(f"{NAME}: sin has shape {tuple(sin.shape)}; expected {tuple(cos.shape)} like cos")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"{NAME}: sin has dtype {sin.dtype}; expected {cos.dtype} like cos")
+    if sin.device != cos.device:
+        raise ValueError(f"{NAME}: sin is on {sin.device}; expected {cos.device} like cos")
+
+
+def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+                 layout: str = "bhsd", backend: Optional[str] = None):
+    """Rotary position embedding of ``q`` and ``k`` in one pass; returns ``(q_out, k_out)``.
+
+    ``layout="bhsd"``: q [batch, heads_q, seq, head_dim] and k [batch, heads_k, seq,
+    head_dim] (Hugging Face); ``"bshd"``: [batch, seq, heads, head_dim] (flash-attn).
+    Head counts may differ (GQA/MQA); any strides work. Outputs are contiguous in
+    ``layout``, or, when q and k are transposed views of memory in the other layout
+    (as Hugging Face's projections give them), laid out like q and k.
+
+    ``cos``, ``sin``: [seq, rotary_dim] or [batch, seq, rotary_dim] (a batch of 1
+    broadcasts), Hugging Face's convention (see the module doc); their dtype may differ
+    from q's (fp32 tables with bf16 activations). Dims past ``rotary_dim`` pass
+    through unchanged. ``interleaved=True`` rotates the pairs (x0, x1), (x2, x3), ...
+    (GPT-J) instead of (x_i, x_{i + rotary_dim/2}).
+
+    cos and sin are treated as constants: the fused backends give them no gradient
+    (they are functions of the positions, not trained). ``backend`` forces
+    ``"triton"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    """
+    _check_inputs(q, k, cos, sin, interleaved, layout)
+    chosen = select_backend(ROPE, q.device, backend)
+    if chosen == "reference":
+        return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
+    return _rope_op(q, k, cos, sin, interleaved, layout, chosen)

@@ -1,0 +1,295 @@
+"""Rotary position embedding on q and k: every backend against the reference."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
+
+from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, interpreted, leaf
+
+BACKENDS = backend_params(ROPE)
+
+BATCH, HEADS_Q = 3, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str
+    interleaved: bool
+    heads_k: int
+    head_dim: int
+    rotary_dim: int
+    seq: int
+    tables: str  # cos/sin shape: "seq" [seq, rotary_dim], "batch1" [1, seq, rotary_dim], "batch" [batch, ...]
+    storage: str  # how q and k are laid out in memory: "contiguous", "hf_views", "fused_qkv"
+    fp32_tables: bool  # cos/sin in float32 whatever q's dtype
+
+
+# On the inductor backend each case is a compiled graph of its own (layout, interleaving and
+# the rank of cos/sin key it), so four cases cover every axis at few compiles. Sizes differ
+# from each other where they can: torch.compile unifies equal sizes and guards on it.
+CASES = [
+    # Llama/Mistral: GQA, q and k as Hugging Face makes them (a [batch, seq, heads, dim]
+    # projection viewed as [batch, heads, seq, dim]), tables cast to q's dtype.
+    pytest.param(Case("bhsd", False, 2, 16, 16, 5, "seq", "hf_views", False), id="llama-gqa-hf-views"),
+    # GPT-J: interleaved pairs, partial rotary, MQA, per-sequence positions, fp32 tables.
+    pytest.param(Case("bhsd", True, 1, 16, 8, 7, "batch", "contiguous", True), id="gptj-mqa-partial"),
+    # GPT-NeoX/Phi: partial rotary over a rotary_dim and a pass-through that are not powers
+    # of two, q and k sliced out of one fused qkv projection (strided, with gaps).
+    pytest.param(Case("bshd", False, 2, 22, 12, 7, "batch1", "fused_qkv", True), id="neox-partial-fused-qkv"),
+    # flash-attn's layout with interleaved pairs, as many k heads as q heads.
+    pytest.param(Case("bshd", True, 4, 16, 16, 9, "batch", "contiguous", False), id="interleaved-bshd-mha"),
+]
+
+
+def _qk_shape(case, heads):
+    if case.layout == "bhsd":
+        return (BATCH, heads, case.seq, case.head_dim)
+    return (BATCH, case.seq, heads, case.head_dim)
+
+
+def _tables(case, dtype, seed=1):
+    """cos/sin drawn at random, not from frequencies: every rotary dim gets its own values,
+    so a kernel that mixes up the members of a pair or the positions cannot pass."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    lead = {"seq": (), "batch1": (1,), "batch": (BATCH,)}[case.tables]
+    shape = (*lead, case.seq, case.rotary_dim)
+    table_dtype = torch.float32 if case.fp32_tables else dtype
+    return tuple((2 * torch.rand(shape, generator=generator) - 1).to(DEVICE, table_dtype) for _ in range(2))
+
+
+def _sources(case, dtype):
+    """The leaf tensors gradients are taken for, and a function making q and k from them."""
+    torch.manual_seed(0)
+    if case.storage == "fused_qkv":
+        assert case.layout == "bshd"
+        qkv = leaf(torch.randn(BATCH, case.seq, HEADS_Q + 2 * case.heads_k, case.head_dim, device=DEVICE, dtype=dtype))
+        return (qkv,), lambda qkv: (qkv[:, :, :HEADS_Q], qkv[:, :, HEADS_Q:HEADS_Q + case.heads_k])
+    if case.storage == "hf_views":
+        assert case.layout == "bhsd"
+        projections = [leaf(torch.randn(BATCH, case.seq, heads, case.head_dim, device=DEVICE, dtype=dtype))
+                       for heads in (HEADS_Q, case.heads_k)]
+        return tuple(projections), lambda q, k: (q.transpose(1, 2), k.transpose(1, 2))
+    q = leaf(torch.randn(_qk_shape(case, HEADS_Q), device=DEVICE, dtype=dtype))
+    k = leaf(torch.randn(_qk_shape(case, case.heads_k), device=DEVICE, dtype=dtype))
+    return (q, k), lambda q, k: (q, k)
+
+
+def _run(fn, case, sources, make_qk, cos, sin, **kwargs):
+    """Both outputs and the gradients of the source tensors."""
+    q, k = make_qk(*sources)
+    outputs = fn(q, k, cos, sin, interleaved=case.interleaved, layout=case.layout, **kwargs)
+    return tuple(outputs), grads_of(outputs, sources)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_gradients_match_reference(backend, dtype, case):
+    sources, make_qk = _sources(case, dtype)
+    cos, sin = _tables(case, dtype)
+    outputs, grads = _run(apply_rotary, case, sources, make_qk, cos, sin, backend=backend)
+    ref_outputs, ref_grads = _run(apply_rotary_reference, case, sources, make_qk, cos, sin)
+    for out, x in zip(outputs, make_qk(*sources)):
+        assert out.shape == x.shape and out.dtype == dtype
+        # laid out like Hugging Face's transposed q and k (no transposing copy), else contiguous
+        assert out.stride() == (x.stride() if case.storage == "hf_views" else x.contiguous().stride())
+    for got, want in zip(outputs + grads, ref_outputs + ref_grads):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want, dtype, backend)
+
+
+# ---- Hugging Face's code, copied, to pin down what the reference means ----
+
+def _llama_rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _llama_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (_llama_rotate_half(q) * sin), (k * cos) + (_llama_rotate_half(k) * sin)
+
+
+def _gptj_rotate_every_two(x):
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def _gptj_apply_rotary_pos_emb(tensor, sin, cos):
+    sin = torch.repeat_interleave(sin[:, :, None, :], 2, 3)
+    cos = torch.repeat_interleave(cos[:, :, None, :], 2, 3)
+    return (tensor * cos) + (_gptj_rotate_every_two(tensor) * sin)
+
+
+def _frequencies(position_ids, rotary_dim):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    return position_ids[..., None].float() * inv_freq  # [batch, seq, rotary_dim / 2]
+
+
+def test_reference_is_hugging_face_math():
+    torch.manual_seed(4)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])  # the second sequence continues a cache
+    batch, seq = position_ids.shape
+
+    # Llama: rotate-half, [batch, heads, seq, head_dim], cos = cat(freqs, freqs).cos()
+    q, k = torch.randn(batch, 4, seq, 16), torch.randn(batch, 2, seq, 16)
+    freqs = _frequencies(position_ids, 16)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    for got, want in zip(apply_rotary_reference(q, k, emb.cos(), emb.sin()),
+                         _llama_apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    # GPT-J: interleaved pairs over the first rotary_dim dims, [batch, seq, heads, head_dim]
+    rotary_dim = 8
+    q, k = torch.randn(batch, seq, 4, 16), torch.randn(batch, seq, 2, 16)
+    freqs = _frequencies(position_ids, rotary_dim)
+    want = [torch.cat((_gptj_apply_rotary_pos_emb(x[..., :rotary_dim], freqs.sin(), freqs.cos()),
+                       x[..., rotary_dim:]), dim=-1) for x in (q, k)]
+    cos, sin = freqs.repeat_interleave(2, dim=-1).cos(), freqs.repeat_interleave(2, dim=-1).sin()
+    got = apply_rotary_reference(q, k, cos, sin, interleaved=True, layout="bshd")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_gradcheck_float64(backend, interleaved):
+    """Random tables (the two members of a pair with different sin) check that the
+    backward is the exact transpose, not just a rotation by -sin. Under Triton's
+    interpreter, where each launch takes long, fast mode checks random projections of
+    the Jacobian instead of every entry."""
+    torch.manual_seed(2)
+    q = torch.randn(2, 3, 5, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 5, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    cos, sin = (torch.randn(2, 5, 4, device=DEVICE, dtype=torch.float64) for _ in range(2))
+
+    def fn(q, k):
+        return apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (q, k), fast_mode=interpreted(backend))
+
+
+def _simple_inputs(batch=2, heads_q=4, heads_k=2, seq=5, head_dim=16):
+    torch.manual_seed(3)
+    q = leaf(torch.randn(batch, heads_q, seq, head_dim, device=DEVICE))
+    k = leaf(torch.randn(batch, heads_k, seq, head_dim, device=DEVICE))
+    cos, sin = (torch.rand(seq, head_dim, device=DEVICE) for _ in range(2))
+    return q, k, cos, sin
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
+    torch.manual_seed(5)
+    # projections [batch, seq, heads, head_dim], viewed as [batch, heads, seq, head_dim] as in HF
+    q_proj = leaf(torch.randn(2, 5, 4, 16, device=DEVICE))
+    k_proj = leaf(torch.randn(2, 5, 2, 16, device=DEVICE))
+    cos, sin = (torch.rand(5, 16, device=DEVICE) for _ in range(2))
+    q_weight, k_weight = torch.randn(2, 4, 5, 16, device=DEVICE), torch.randn(2, 2, 5, 16, device=DEVICE)
+
+    def attention_input(rotate, q_proj, k_proj):
+        q_out, k_out = rotate(q_proj.transpose(1, 2), k_proj.transpose(1, 2), cos, sin)
+        return (q_out * q_weight).sum() + (k_out * k_weight).sum()
+
+    def fused(q, k, cos, sin):
+        return apply_rotary(q, k, cos, sin, backend=backend)
+
+    explanation = torch._dynamo.explain(attention_input)(fused, q_proj, k_proj)
+    assert explanation.graph_break_count == 0
+    got = torch.compile(attention_input, fullgraph=True)(fused, q_proj, k_proj)
+    got_grads = torch.autograd.grad(got, (q_proj, k_proj))
+    want = attention_input(apply_rotary_reference, q_proj, k_proj)
+    want_grads = torch.autograd.grad(want, (q_proj, k_proj))
+    assert_close(got, want, atol=1e-4)
+    for g, w in zip(got_grads, want_grads):
+        assert_close(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_heads_are_rotated_in_blocks(backend):
+    # 40 query heads of 128 dims exceed one Triton tile, so the kernel loops over head blocks.
+    q, k, cos, sin = _simple_inputs(heads_q=40, heads_k=8, seq=3, head_dim=128)
+    got = apply_rotary(q.detach(), k.detach(), cos, sin, backend=backend)
+    for g, w in zip(got, apply_rotary_reference(q.detach(), k.detach(), cos, sin)):
+        assert_close(g, w)
+
+
+def test_profiler_sees_the_fused_op_and_its_backward():
+    backend = fused_backends(ROPE)[0]
+    q, k, cos, sin = _simple_inputs()
+    with torch.profiler.profile() as prof:
+        q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
+        (q_out.sum() + k_out.sum()).backward()
+    names = {event.name for event in prof.events()}
+    assert {"te_lab::rope", "te_lab::rope_backward"} <= names
+
+
+def test_unused_k_output_still_gives_gradients():
+    backend = fused_backends(ROPE)[0]
+    q, k, cos, sin = _simple_inputs()
+    q_out, _ = apply_rotary(q, k, cos, sin, backend=backend)
+    q_out.sum().backward()
+    ref_q = leaf(q)
+    apply_rotary_reference(ref_q, k.detach(), cos, sin)[0].sum().backward()
+    assert_close(q.grad, ref_q.grad)
+    assert torch.count_nonzero(k.grad) == 0
+
+
+def test_cos_and_sin_are_constants():
+    backend = fused_backends(ROPE)[0]
+    q, k, cos, sin = _simple_inputs()
+    cos, sin = leaf(cos), leaf(sin)
+    q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
+    (q_out.sum() + k_out.sum()).backward()
+    assert cos.grad is None and sin.grad is None
+    assert q.grad is not None and k.grad is not None
+
+
+def test_empty_batch_gives_empty_outputs():
+    backend = fused_backends(ROPE)[0]
+    q, k, cos, sin = _simple_inputs()
+    q_out, k_out = apply_rotary(q[:0], k[:0], cos, sin, backend=backend)
+    assert q_out.shape == (0, *q.shape[1:]) and k_out.shape == (0, *k.shape[1:])
+
+
+def _bad(**changes):
+    inputs = dict(q=torch.ones(2, 4, 5, 8), k=torch.ones(2, 2, 5, 8), cos=torch.ones(5, 8), sin=torch.ones(5, 8))
+    inputs.update(changes)
+    return inputs
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (_bad(k=torch.ones(2, 2, 5, 6)), ValueError, ["rope", "k", "(2, 2, 5, 6)", "head_dim 8"]),
+        (_bad(k=torch.ones(2, 2, 6, 8)), ValueError, ["rope", "k", "(2, 2, 6, 8)", "seq 5"]),
+        (_bad(k=torch.ones(3, 2, 5, 8)), ValueError, ["rope", "k", "(3, 2, 5, 8)", "batch 2"]),
+        (_bad(q=torch.ones(4, 5, 8)), ValueError, ["rope", "q", "(4, 5, 8)", "4 dims", "[batch, heads, seq, head_dim]"]),
+        (_bad(cos=torch.ones(5, 7), sin=torch.ones(5, 7)), ValueError, ["rope", "cos", "rotary_dim", "7", "even"]),
+        (_bad(cos=torch.ones(5, 10), sin=torch.ones(5, 10)), ValueError, ["rope", "cos", "10", "head_dim 8"]),
+        (_bad(cos=torch.ones(6, 8), sin=torch.ones(6, 8)), ValueError, ["rope", "cos", "(6, 8)", "seq 5"]),
+        (_bad(cos=torch.ones(3, 5, 8), sin=torch.ones(3, 5, 8)), ValueError, ["rope", "cos", "(3, 5, 8)", "batch 1 or 2"]),
+        (_bad(cos=torch.ones(1, 1, 5, 8), sin=torch.ones(1, 1, 5, 8)), ValueError,
+         ["rope", "cos", "(1, 1, 5, 8)", "[seq, rotary_dim]"]),
+        (_bad(sin=torch.ones(5, 6)), ValueError, ["rope", "sin", "(5, 6)", "(5, 8)"]),
+        (_bad(k=torch.ones(2, 2, 5, 8, dtype=torch.float64)), TypeError, ["rope", "k", "float64", "float32"]),
+        (_bad(sin=torch.ones(5, 8, dtype=torch.float16)), TypeError, ["rope", "sin", "float16", "float32"]),
+        (_bad(q=torch.ones(2, 4, 5, 8, dtype=torch.int64)), TypeError, ["rope", "q", "int64"]),
+        (_bad(q=[[1.0]]), TypeError, ["rope", "q", "list"]),
+        (_bad(k=torch.ones(2, 2, 5, 8, device="meta")), ValueError, ["rope", "k", "meta", "cpu"]),
+        (_bad(cos=torch.ones(5, 8, device="meta")), ValueError, ["rope", "cos", "meta", "cpu"]),
+        (_bad(layout="sbhd"), ValueError, ["rope", "layout", "'sbhd'", "bhsd"]),
+        (_bad(interleaved="yes"), TypeError, ["rope", "interleaved", "'yes'"]),
+        (_bad(backend="native"), ValueError, ["rope", "'native'"]),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, error, words):
+    with pytest.raises(error) as raised:
+        apply_rotary(**kwargs)
+    for word in words:
+        assert word in str(raised.value)
