@@ -7,6 +7,7 @@ Bytes moved, forward + backward (N = elements of the activation, s = its element
 - add + LayerNorm:    read x, r; write h, y    | read dy, dh, h; write dx            ~ 8 N s
 - Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
 - SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
+- RoPE on q and k:     read q, k; write q', k' | read dq', dk'; write dq, dk         ~ 4 (Q + K) s
 - AdamW step:         read p, g, m, v; write p, m, v                              ~ 7 P s
 """
 
@@ -23,6 +24,7 @@ from te_lab.kernels.bias_act import linear_act
 from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
+from te_lab.kernels.rope import apply_rotary
 
 
 @dataclass
@@ -68,6 +70,23 @@ def gelu_gate(gate, up):
     return F.gelu(gate, approximate="tanh") * up
 
 
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def hf_rotary(q, k, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb (Llama), cos/sin [seq, head_dim]."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _rotary_tables(seq, dim, device):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    angles = torch.cat((angles, angles), -1)
+    return angles.cos(), angles.sin()
+
+
 def _param(n, device, dtype):
     return (1 + 0.1 * torch.randn(n, device=device)).to(dtype).requires_grad_()
 
@@ -107,6 +126,15 @@ def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list
         fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend),
         bytes_moved=_bytes(x, weight, out_elements * x.element_size() * 3, x, weight, x, weight, bias),
         flops=3 * 2 * tokens * 1024 * 4096))
+
+    seq = max(rows // 4, 1)
+    q, k = _act((4, 32, seq, 128), device, dtype), _act((4, 8, seq, 128), device, dtype)
+    cos, sin = (t.to(dtype) for t in _rotary_tables(seq, 128, device))
+    cases.append(OpCase(
+        "rope", f"RoPE q 4x32x{seq}x128, k 4x8x{seq}x128", (q, k),
+        baseline=lambda q, k: hf_rotary(q, k, cos, sin),
+        fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
+        bytes_moved=_bytes(q, k) * 4 + _bytes(cos, sin)))
 
     for name, baseline, activation in (("SwiGLU", silu_gate, "silu"), ("GeGLU", gelu_gate, "gelu_tanh")):
         gate, up = _act((rows, 4096), device, dtype), _act((rows, 4096), device, dtype)
