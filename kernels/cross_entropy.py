@@ -1,0 +1,337 @@
+"""Softmax cross-entropy over the vocabulary, with its gradient computed in the forward pass.
+
+Per token with logits x (vocabulary N), label t, smoothing e and z-loss weight z:
+
+    lse  = log(sum_j exp(x_j))
+    loss = (1 - e) * (lse - x_t) + e * (lse - mean_j x_j) + z * lse**2
+    d loss / d x_j = exp(x_j - lse) * (1 + 2 z lse) - e / N - (1 - e) * [j == t]
+
+which is ``F.cross_entropy(logits.float(), labels, label_smoothing=e)`` per token plus
+PaLM's z-loss. Tokens whose label is ``ignore_index`` have loss and gradient 0. The
+forward pass writes that gradient (in the logits' dtype) beside the losses and keeps it
+for the backward pass, which is then a scale by the upstream gradient: the logits are
+never read again. The Triton kernel reads each row once for the online max and sum of
+exp and once more, from cache, to write the gradient. The reduction (mean over
+non-ignored tokens, sum, none) is plain torch math on the per-token losses, so autograd
+hands the backward one upstream gradient per token.
+
+Backends: ``triton`` (one program per row looping over the vocabulary in blocks),
+``inductor`` (torch.compile of the formula above) and ``reference``. There is no
+``native`` backend: ATen's ``F.cross_entropy`` is ``log_softmax`` followed by
+``nll_loss``, which writes the log-probabilities in the forward pass and reads them back
+in the backward pass; no ATen kernel computes the loss and its gradient in one pass.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from te_lab import device as devices
+
+from .checks import check_choice, check_tensor
+from .compiled import inductor_compiled
+from .precision import compute_dtype, triton_compute_dtype
+from .registry import FusedOp, register_op, select_backend
+from .triton_support import HAS_TRITON, num_warps_for, tl, triton
+
+NAME = "cross_entropy"
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ---- argument checks, shared with fused_linear_cross_entropy ----
+
+def check_loss_options(op: str, ignore_index, label_smoothing, reduction, z_loss) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or not z_loss >= 0.0:
+        raise ValueError(f"{op}: z_loss must be a number >= 0, got {z_loss!r}")
+    check_choice(op, "reduction", reduction, REDUCTIONS)
+
+
+def check_label_tensor(op: str, labels, expected_shape, reference: Tensor, reference_name: str) -> Tensor:
+    """``labels`` must be an integer tensor of ``expected_shape`` on ``reference``'s device."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{op}: labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{op}: labels has dtype {labels.dtype}; expected an integer dtype such as torch.int64")
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{op}: labels has shape {tuple(labels.shape)}; expected {tuple(expected_shape)} "
+            f"(the leading dimensions of {reference_name})"
+        )
+    if labels.device != reference.device:
+        raise ValueError(f"{op}: labels is on {labels.device}; expected {reference.device} like {reference_name}")
+    return labels
+
+
+def check_labels_in_range(op: str, labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is ``ignore_index`` or a class in [0, vocab). Reading the answer waits
+    for the device, so each op call checks once, before any kernel runs: an
+    out-of-range label would otherwise read outside the row (Triton) or trip a device
+    assert far from its cause."""
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(outside.any()):
+        value = int(labels[outside][0])
+        raise ValueError(
+            f"{op}: labels contains {value}, which is neither ignore_index ({ignore_index}) "
+            f"nor a class index in [0, {vocab})"
+        )
+
+
+def mean_over_labelled(total: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+    """``total`` divided by the number of non-ignored labels. With none, like
+    F.cross_entropy: the loss is nan and every gradient is zero (not nan)."""
+    count = (labels != ignore_index).sum()
+    return torch.where(count > 0, total / count.clamp(min=1), torch.nan)
+
+
+# ---- reference ----
+
+def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, reduction: str = "mean",
+                            z_loss: float = 0.0) -> Tensor:
+    """The unfused PyTorch math: F.cross_entropy on the logits in float32 (float64 stays
+    float64), plus ``z_loss * logsumexp(logits)**2`` per non-ignored token."""
+    vocab = logits.shape[-1]
+    x = logits.reshape(-1, vocab).to(compute_dtype(logits))
+    flat_labels = labels.reshape(-1).long()
+    per_token = F.cross_entropy(x, flat_labels, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, reduction="none")
+    if z_loss:
+        labelled = flat_labels != ignore_index
+        per_token = per_token + torch.where(labelled, z_loss * torch.logsumexp(x, -1) ** 2, 0.0)
+    if reduction == "none":
+        return per_token.view(labels.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    return mean_over_labelled(per_token.sum(), flat_labels, ignore_index)
+
+
+# ---- inductor: the formula, compiled ----
+
+def _forward_math(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                  z_loss: float, compute_grad: bool):
+    x = logits.to(compute_dtype(logits))
+    vocab = x.shape[-1]
+    labelled = labels != ignore_index
+    target = torch.where(labelled, labels, 0)
+    row_max = x.amax(-1, keepdim=True)
+    lse = row_max + torch.log(torch.exp(x - row_max).sum(-1, keepdim=True))
+    loss = ((1 - label_smoothing) * (lse - x.gather(-1, target[:, None]))
+            + label_smoothing * (lse - x.sum(-1, keepdim=True) / vocab)
+            + z_loss * lse * lse)
+    loss = torch.where(labelled, loss.squeeze(-1), 0.0)
+    if not compute_grad:
+        return loss, None
+    classes = torch.arange(vocab, device=x.device)
+    # (1 - e) multiplies the one-hot mask rather than filling torch.where: torch 2.13's
+    # Inductor bakes a symbolic float given to torch.where in as its first call's value.
+    grad = (torch.exp(x - lse) * (1 + 2 * z_loss * lse) - label_smoothing / vocab
+            - (1 - label_smoothing) * (classes == target[:, None]).to(x.dtype))
+    return loss, torch.where(labelled[:, None], grad, 0.0).to(logits.dtype)
+
+
+class _Inductor:
+    _compiled = staticmethod(inductor_compiled(_forward_math))
+
+    @staticmethod
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+        # The gradient is always a new tensor: writing it over scratch logits would take a
+        # second compiled graph per dtype, for one chunk-sized buffer that is small beside
+        # the chunk's matmuls. Contiguous rows keep strided inputs from compiling another graph.
+        return _Inductor._compiled(logits.contiguous(), labels, ignore_index, label_smoothing,
+                                   z_loss, compute_grad)
+
+
+# ---- triton: one program per row ----
+
+# Blocks of at most 4096 columns (8 values per thread at 16 warps): a 32000-word vocabulary
+# takes 8 blocks, and a row (128 KB in float32) is still in cache when it is re-read for
+# the gradient.
+_MAX_BLOCK = 4096
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _cross_entropy_forward_kernel(X, LABELS, LOSS, GRAD, x_stride, grad_stride, n_cols, ignore_index,
+                                      label_smoothing, z_loss, HAS_GRAD: tl.constexpr, ACC: tl.constexpr,
+                                      BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * x_stride
+        grad_row = GRAD + row * grad_stride
+        cols = tl.arange(0, BLOCK)
+        label = tl.load(LABELS + row)
+        if label == ignore_index:
+            tl.store(LOSS + row, tl.zeros((), ACC))
+            if HAS_GRAD:
+                for start in range(0, n_cols, BLOCK):
+                    tl.store(grad_row + start + cols, tl.zeros((BLOCK,), GRAD.dtype.element_ty),
+                             mask=start + cols < n_cols)
+            return
+        # Online log-sum-exp: rescale the running sum whenever the running max grows.
+        row_max = tl.full((), float("-inf"), ACC)
+        sum_exp = tl.zeros((), ACC)
+        row_sum = tl.zeros((), ACC)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(ACC)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
+            row_max = new_max
+        lse = row_max + tl.log(sum_exp)
+        x_label = tl.load(x_row + label).to(ACC)
+        loss = ((1.0 - label_smoothing) * (lse - x_label) + label_smoothing * (lse - row_sum / n_cols)
+                + z_loss * lse * lse)
+        tl.store(LOSS + row, loss)
+        if HAS_GRAD:
+            # Every column is read before it is written, so GRAD may be X itself.
+            prob_scale = 1.0 + 2.0 * z_loss * lse
+            uniform = label_smoothing / n_cols
+            for start in range(0, n_cols, BLOCK):
+                offsets = start + cols
+                mask = offsets < n_cols
+                x = tl.load(x_row + offsets, mask=mask, other=0.0).to(ACC)
+                grad = tl.exp(x - lse) * prob_scale - uniform
+                grad = tl.where(offsets == label, grad - (1.0 - label_smoothing), grad)
+                tl.store(grad_row + offsets, grad.to(GRAD.dtype.element_ty), mask=mask)
+
+
+class _Triton:
+    @staticmethod
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+        rows, vocab = logits.shape
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        labels = labels.contiguous()  # the kernel reads label i at LABELS + i
+        loss = torch.empty(rows, dtype=compute_dtype(logits), device=logits.device)
+        grad = None
+        if compute_grad:
+            grad = logits if logits_are_scratch else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        if rows == 0:
+            return loss, grad
+        block = min(triton.next_power_of_2(vocab), _MAX_BLOCK)
+        with devices.device_guard(logits.device):
+            _cross_entropy_forward_kernel[(rows,)](
+                logits, labels, loss, logits if grad is None else grad, logits.stride(0),
+                0 if grad is None else grad.stride(0), vocab, ignore_index, label_smoothing, z_loss,
+                HAS_GRAD=compute_grad, ACC=triton_compute_dtype(logits), BLOCK=block,
+                num_warps=num_warps_for(block))
+        return loss, grad
+
+
+# The per-backend row kernels: ``forward(logits [rows, vocab], labels int64 [rows],
+# ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch)`` returns the
+# per-row losses (float32, float64 for float64 logits) and, when ``compute_grad``, the
+# per-row loss gradient in the logits' dtype. ``logits_are_scratch`` tells a backend that
+# the caller no longer needs the logits, so the gradient may be written over them.
+# fused_linear_cross_entropy runs its chunks through these same kernels.
+IMPLEMENTATIONS = {"inductor": _Inductor}
+if HAS_TRITON:
+    IMPLEMENTATIONS["triton"] = _Triton
+
+CROSS_ENTROPY = register_op(FusedOp(
+    name=NAME,
+    reference=cross_entropy_reference,
+    implementations=IMPLEMENTATIONS,
+    cpu_preference="inductor",
+))
+
+
+# ---- the torch.library custom ops: what torch.compile and the profiler see ----
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("te_lab::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
+                      z_loss: float, compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """Per-token losses of logits [tokens, vocab] and, when ``compute_grad``, their gradient
+    (an empty tensor otherwise)."""
+    check_labels_in_range(NAME, labels, logits.shape[-1], ignore_index)
+    loss, grad = IMPLEMENTATIONS[backend].forward(logits, labels, ignore_index, label_smoothing, z_loss,
+                                                  compute_grad, False)
+    return loss, (logits.new_empty(_EMPTY) if grad is None else grad)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend):
+    grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(_EMPTY)
+    return logits.new_empty(logits.shape[0], dtype=compute_dtype(logits)), grad
+
+
+@torch.library.custom_op("te_lab::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(grad_logits: Tensor, dloss: Tensor) -> Tensor:
+    """The stored gradient scaled by each token's upstream gradient: one multiply, the
+    same on every backend (an elementwise ATen kernel is already a single pass)."""
+    # out= keeps the logits' dtype: the product is computed in the loss's precision and
+    # rounded once.
+    return torch.mul(grad_logits, dloss[:, None], out=torch.empty_like(grad_logits))
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_logits, dloss):
+    return grad_logits.new_empty(grad_logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad = output
+    ctx.save_for_backward(grad)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dloss, _dgrad):
+    if dloss is None:
+        return (None,) * 7
+    (grad,) = ctx.saved_tensors
+    return _cross_entropy_backward_op(grad, dloss), None, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def reduce_loss(per_token: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """Per-token losses [tokens] reduced like F.cross_entropy; ``labels`` has the shape
+    "none" returns."""
+    if reduction == "none":
+        return per_token.view(labels.shape)
+    if reduction == "sum":
+        return per_token.sum()
+    return mean_over_labelled(per_token.sum(), labels, ignore_index)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  reduction: str = "mean", z_loss: float = 0.0, backend: Optional[str] = None) -> Tensor:
+    """Fused softmax cross-entropy of ``logits`` [..., vocab] against integer ``labels`` [...].
+
+    Same result as ``F.cross_entropy(logits.float(), labels, ignore_index=...,
+    label_smoothing=..., reduction=...)`` with the vocabulary as the last dimension,
+    plus ``z_loss * logsumexp(logits)**2`` per non-ignored token, reduced the same way.
+    The loss is float32 (float64 for float64 logits); ``reduction="none"`` returns one
+    loss per label (0 where ignored). ``backend`` forces ``"triton"``, ``"inductor"`` or
+    ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    """
+    check_tensor(NAME, "logits", logits)
+    check_label_tensor(NAME, labels, logits.shape[:-1], logits, "logits")
+    check_loss_options(NAME, ignore_index, label_smoothing, reduction, z_loss)
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError(f"{NAME}: logits has shape {tuple(logits.shape)}; expected a vocabulary of at least 1")
+    chosen = select_backend(CROSS_ENTROPY, logits.device, backend)
+    if chosen == "reference":
+        if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
+            check_labels_in_range(NAME, labels, vocab, ignore_index)
+        return cross_entropy_reference(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                       reduction=reduction, z_loss=z_loss)
+    flat_labels = labels.reshape(-1).long()
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    per_token, _ = _cross_entropy_op(logits.reshape(-1, vocab), flat_labels, ignore_index,
+                                     float(label_smoothing), float(z_loss), compute_grad, chosen)
+    return reduce_loss(per_token, labels, ignore_index, reduction)
