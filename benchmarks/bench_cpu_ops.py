@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cases import adamw_case, op_cases  # noqa: E402
-from harness import fwd_bwd_step, interleaved  # noqa: E402
+from harness import fwd_bwd_step, interleaved, peak_memory_bytes  # noqa: E402
 from report import print_table  # noqa: E402
 
 from te_lab import device as devices  # noqa: E402
@@ -64,7 +64,9 @@ def main(argv=None):
         print(f"## {case.title}", flush=True)
         timings = interleaved(steps, device, rounds=args.rounds, warmup=args.warmup,
                               progress=lambda message: print(f"  .. {message}", file=sys.stderr, flush=True))
-        print_table(case, timings, peak_gbs=copy_gbs, peak_label="copy")
+        memory = ({name: peak_memory_bytes(step, device) for name, step in steps.items()}
+                  if case.measure_memory else None)
+        print_table(case, timings, peak_gbs=copy_gbs, peak_label="copy", peak_memory=memory)
         print(flush=True)
 
 

@@ -8,6 +8,8 @@ Bytes moved, forward + backward (N = elements of the activation, s = its element
 - Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
 - SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
 - RoPE on q and k:     read q, k; write q', k' | read dq', dk'; write dq, dk         ~ 4 (Q + K) s
+- cross-entropy:      read logits; write grad  | read grad; write dlogits              ~ 4 N s
+- linear + CE:        the GEMMs' operands and results, never the logits; compute-bound
 - AdamW step:         read p, g, m, v; write p, m, v                              ~ 7 P s
 """
 
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 
 from te_lab.kernels.adamw import FusedAdamW
 from te_lab.kernels.bias_act import linear_act
+from te_lab.kernels.cross_entropy import cross_entropy
+from te_lab.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
@@ -36,6 +40,7 @@ class OpCase:
     fused: Callable  # takes the inputs and backend=
     bytes_moved: int
     flops: Optional[int] = None
+    measure_memory: bool = False  # also report each contender's peak memory
 
 
 def _bytes(*tensors_or_counts) -> int:
@@ -136,6 +141,24 @@ def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list
         fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
         bytes_moved=_bytes(q, k) * 4 + _bytes(cos, sin)))
 
+    logits = _act((max(rows // 2, 1), 32000), device, dtype)
+    labels = torch.randint(0, 32000, (logits.shape[0],), device=device)
+    cases.append(OpCase(
+        "cross_entropy", f"cross-entropy {logits.shape[0]}x32000", (logits,),
+        baseline=lambda logits: F.cross_entropy(logits, labels),
+        fused=lambda logits, backend: cross_entropy(logits, labels, backend=backend),
+        bytes_moved=_bytes(logits) * 4))
+
+    tokens = max(rows // 2, 1)
+    hidden, head = _act((tokens, 2048), device, dtype), _act((32000, 2048), device, dtype)
+    head.data.mul_(2048 ** -0.5)
+    labels = torch.randint(0, 32000, (tokens,), device=device)
+    cases.append(OpCase(
+        "fused_linear_cross_entropy", f"LM head + cross-entropy {tokens}x2048 -> 32000", (hidden, head),
+        baseline=lambda hidden, head: F.cross_entropy(F.linear(hidden, head), labels),
+        fused=lambda hidden, head, backend: fused_linear_cross_entropy(hidden, head, labels, backend=backend),
+        bytes_moved=_bytes(hidden, head) * 3, flops=3 * 2 * tokens * 2048 * 32000, measure_memory=True))
+
     for name, baseline, activation in (("SwiGLU", silu_gate, "silu"), ("GeGLU", gelu_gate, "gelu_tanh")):
         gate, up = _act((rows, 4096), device, dtype), _act((rows, 4096), device, dtype)
         cases.append(OpCase(
@@ -156,6 +179,7 @@ class OptimizerCase:
     steps: dict
     bytes_moved: int
     flops: Optional[int] = None
+    measure_memory: bool = False
 
 
 def _transformer_parameter_shapes(hidden: int, layers: int, vocab: int, mlp: int) -> list[tuple]:

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cases import op_cases  # noqa: E402
-from harness import fwd_bwd_step, interleaved  # noqa: E402
+from harness import fwd_bwd_step, interleaved, peak_memory_bytes  # noqa: E402
 from report import print_table  # noqa: E402
 
 from te_lab import device as devices  # noqa: E402
@@ -87,7 +87,9 @@ def main(argv=None) -> int:
                                                case.inputs),
             }
             timings = interleaved(steps, device, rounds=args.rounds)
-            print_table(case, timings, peak_gbs=peak.memory_bandwidth_gbs, peak_label="peak")
+            memory = ({name: peak_memory_bytes(step, device) for name, step in steps.items()}
+                      if case.measure_memory else None)
+            print_table(case, timings, peak_gbs=peak.memory_bandwidth_gbs, peak_label="peak", peak_memory=memory)
             print(flush=True)
     print("all checks passed" if all_passed else "SOME CHECKS FAILED")
     return 0 if all_passed else 1

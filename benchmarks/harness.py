@@ -76,3 +76,24 @@ def fwd_bwd_step(fn: Callable, inputs: tuple) -> Callable[[], object]:
         return torch.autograd.grad(out, inputs, upstream)
 
     return step
+
+
+def peak_memory_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated while ``step`` runs, above what was allocated before it: the
+    allocator's statistics on GPUs, the profiler's record of every allocation and free
+    on the CPU (which has no allocator statistics)."""
+    if devices.is_gpu(device):
+        devices.synchronize(device)
+        before = devices.memory_allocated(device)
+        devices.reset_peak_memory_stats(device)
+        step()
+        devices.synchronize(device)
+        return devices.max_memory_allocated(device) - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for event in prof.profiler.kineto_results.events():
+        if event.name() == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak
