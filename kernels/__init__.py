@@ -6,6 +6,7 @@ the names torch.profiler shows). Importing this package registers them.
 """
 
 from .adamw import FusedAdamW, adamw_reference_step
+from .attention import attention, attention_reference
 from .bias_act import bias_act, bias_act_reference, linear_act, linear_act_reference
 from .cross_entropy import cross_entropy, cross_entropy_reference
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
@@ -22,6 +23,8 @@ __all__ = [
     "adamw_reference_step",
     "apply_rotary",
     "apply_rotary_reference",
+    "attention",
+    "attention_reference",
     "available_backends",
     "bias_act",
     "bias_act_reference",

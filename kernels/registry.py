@@ -127,7 +127,7 @@ def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
         _OVERRIDES.remove(overrides)
 
 
-def _forced_backend(op: FusedOp) -> tuple[Optional[str], str]:
+def forced_backend(op: FusedOp) -> tuple[Optional[str], str]:
     """The backend forced by a context or the environment, and who forced it.
 
     A catch-all (``use_backend("inductor")``, ``TE_LAB_BACKEND=inductor``) forces only
@@ -174,7 +174,7 @@ def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] =
     if requested is not None:
         _check_backend_name(requested, f"{op.name}(backend)")
     if requested in (None, "auto"):
-        requested, source = _forced_backend(op)
+        requested, source = forced_backend(op)
     if requested not in (None, "auto"):
         reason = unavailable_reason(op, requested, device)
         if reason is not None:
