@@ -8,6 +8,7 @@ Bytes moved, forward + backward (N = elements of the activation, s = its element
 - Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
 - SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
 - RoPE on q and k:     read q, k; write q', k' | read dq', dk'; write dq, dk         ~ 4 (Q + K) s
+- attention:          read q, k, v; write o    | read do, q, k, v, o; write dq, dk, dv ~ 9 N s
 - cross-entropy:      read logits; write grad  | read grad; write dlogits              ~ 4 N s
 - linear + CE:        the GEMMs' operands and results, never the logits; compute-bound
 - AdamW step:         read p, g, m, v; write p, m, v                              ~ 7 P s
@@ -15,6 +16,7 @@ Bytes moved, forward + backward (N = elements of the activation, s = its element
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from te_lab.kernels.adamw import FusedAdamW
+from te_lab.kernels.attention import attention
 from te_lab.kernels.bias_act import linear_act
 from te_lab.kernels.cross_entropy import cross_entropy
 from te_lab.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -92,6 +95,13 @@ def _rotary_tables(seq, dim, device):
     return angles.cos(), angles.sin()
 
 
+def explicit_causal_attention(q, k, v):
+    """softmax(Q K^T / sqrt(d) + causal mask) V, as model code without SDPA writes it."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
 def _param(n, device, dtype):
     return (1 + 0.1 * torch.randn(n, device=device)).to(dtype).requires_grad_()
 
@@ -122,7 +132,9 @@ def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list
         bytes_moved=_bytes(x, r, x, x, x, x, x, x, w, b)))
 
     tokens = max(rows // 4, 1)
-    x, weight = _act((tokens, 1024), device, dtype), _act((4096, 1024), device, dtype)
+    x = _act((tokens, 1024), device, dtype)
+    # initialised like nn.Linear (scale 1/sqrt(fan_in)), so pre-activations are O(1) as in real models
+    weight = (torch.randn(4096, 1024, device=device) / 32).to(dtype).requires_grad_()
     bias = _param(4096, device, dtype)
     out_elements = tokens * 4096
     cases.append(OpCase(
@@ -140,6 +152,13 @@ def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list
         baseline=lambda q, k: hf_rotary(q, k, cos, sin),
         fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
         bytes_moved=_bytes(q, k) * 4 + _bytes(cos, sin)))
+
+    q, k, v = (_act((4, 16, seq, 64), device, dtype) for _ in range(3))
+    cases.append(OpCase(
+        "attention", f"causal attention 4x16x{seq}x64", (q, k, v),
+        baseline=explicit_causal_attention,
+        fused=lambda q, k, v, backend: attention(q, k, v, causal=True, backend=backend),
+        bytes_moved=_bytes(q) * 9, flops=int(3.5 * 2 * 2 * 4 * 16 * seq * seq * 64 / 2)))
 
     logits = _act((max(rows // 2, 1), 32000), device, dtype)
     labels = torch.randint(0, 32000, (logits.shape[0],), device=device)

@@ -8,7 +8,14 @@ Inductor backends, and ``@triton.jit`` helpers used inside Triton kernels.
 
 Triton 3.2 (what MUSA ships) has no tanh in its core language, so tanh(z) is
 written as 2 sigmoid(2z) - 1.
+
+The derivatives never produce subnormal floats: GELU's Gaussian term is evaluated at x
+clamped to [-10, 10] and SiLU's sigmoid at x >= -80, where the true values are below
+1e-20 anyway. Without the clamps a large pre-activation (|x| ~ 13 for GELU) yields
+subnormal gradients, and the GEMMs that consume them run several times slower on x86
+CPUs (measured here: Linear + GELU backward 3x slower than eager).
 """
+
 
 from __future__ import annotations
 
@@ -27,6 +34,9 @@ _SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TANH_SCALE = math.sqrt(2.0 / math.pi)
 _TANH_CUBIC = 0.044715
+# Where the clamped terms are already negligible (< 1e-20) but still normal floats.
+_PDF_CLAMP = 10.0
+_SIGMOID_FLOOR = -80.0
 
 
 def activate(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +49,11 @@ def activate(name: str, x: torch.Tensor) -> torch.Tensor:
 def activation_grad(name: str, x: torch.Tensor) -> torch.Tensor:
     """d activation(x) / dx, written out so Inductor fuses it with its neighbours."""
     if name == "silu":
-        sig = torch.sigmoid(x)
+        sig = torch.sigmoid(x.clamp(min=_SIGMOID_FLOOR))
         return sig * (1 + x * (1 - sig))
     if name == "gelu":
-        return 0.5 * (1 + torch.erf(x * _SQRT_HALF)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        bounded = x.clamp(-_PDF_CLAMP, _PDF_CLAMP)
+        return 0.5 * (1 + torch.erf(x * _SQRT_HALF)) + bounded * torch.exp(-0.5 * bounded * bounded) * _INV_SQRT_2PI
     inner = _TANH_SCALE * (x + _TANH_CUBIC * x * x * x)
     t = torch.tanh(inner)
     return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _TANH_SCALE * (1 + 3 * _TANH_CUBIC * x * x)
@@ -69,11 +80,13 @@ if HAS_TRITON:
     def triton_activation_grad(x, ACTIVATION: tl.constexpr):
         """d activation(x) / dx for the activation with code ``ACTIVATION``."""
         if ACTIVATION == 0:
-            g = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+            bounded = tl.minimum(tl.maximum(x, -10.0), 10.0)  # _PDF_CLAMP: no subnormals
+            g = (0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+                 + bounded * tl.exp(-0.5 * bounded * bounded) * 0.3989422804014327)
         elif ACTIVATION == 1:
             t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
             g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         else:
-            sig = tl.sigmoid(x)
+            sig = tl.sigmoid(tl.maximum(x, -80.0))  # _SIGMOID_FLOOR: no subnormals
             g = sig * (1.0 + x * (1.0 - sig))
         return g
