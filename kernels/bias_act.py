@@ -298,9 +298,9 @@ def linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
                backend: Optional[str] = None):
     """``act(F.linear(x, weight, bias))``, what model code's ``act(linear(x))`` becomes.
 
-    The matmul stays on the vendor BLAS (``F.linear`` without bias, with ordinary
-    autograd); the bias and the activation go through :func:`bias_act`, which picks
-    the backend (``backend`` as there).
+    The matmul stays on the vendor BLAS (``F.linear``, with ordinary autograd); the
+    bias and the activation go through :func:`bias_act`, which picks the backend
+    (``backend`` as there), except on ``native``, where the GEMM adds the bias itself.
     """
     check_tensor(LINEAR_NAME, "x", x)
     check_tensor(LINEAR_NAME, "weight", weight)
@@ -319,4 +319,8 @@ def linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
     chosen = select_backend(BIAS_ACT, x.device, backend)
     if chosen == "reference":
         return linear_act_reference(x, weight, bias, activation)
+    if chosen == "native":
+        # ATen's kernels cannot fuse the bias with the activation, but BLAS adds it for
+        # free inside the GEMM (addmm), so native leaves it there.
+        return _bias_act_op(F.linear(x, weight, bias), None, activation, chosen)
     return _bias_act_op(F.linear(x, weight), bias, activation, chosen)
