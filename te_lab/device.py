@@ -5,7 +5,7 @@ know which vendor it runs on. MUSA (Moore Threads, via torch_musa) is registered
 by torch as the PrivateUse1 backend with the device string ``"musa"``; the rules
 followed here are the ones in DESIGN.md: use the per-device module
 (``torch.musa`` / ``torch.cuda``) for synchronisation, events and memory stats,
-never ``torch.accelerator.synchronize`` (broken on MUSA with torch 2.7), and
+never torch.accelerator's generic synchronize (broken on MUSA with torch 2.7), and
 never assume that a GPU is a CUDA GPU.
 """
 
@@ -349,15 +349,15 @@ def profiler_activities(device: DeviceLike = None) -> list:
     """torch.profiler activities that record work on ``device``."""
     from torch.profiler import ProfilerActivity
 
-    dev = resolve(device)
+    # MUSA's kernels are recorded under PrivateUse1, where the torch build has it.
+    device_activity = getattr(ProfilerActivity, _PROFILER_ACTIVITY.get(resolve(device).type, ""), None)
     activities = [ProfilerActivity.CPU]
-    supported = torch.profiler.supported_activities()
-    if dev.type == "cuda" and ProfilerActivity.CUDA in supported:
-        activities.append(ProfilerActivity.CUDA)
-    private_use = getattr(ProfilerActivity, "PrivateUse1", None)
-    if dev.type == "musa" and private_use is not None and private_use in supported:
-        activities.append(private_use)
+    if device_activity is not None and device_activity in torch.profiler.supported_activities():
+        activities.append(device_activity)
     return activities
+
+
+_PROFILER_ACTIVITY = {"cuda": "CUDA", "musa": "PrivateUse1"}
 
 
 def distributed_backend(device: DeviceLike = None) -> str:
