@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch import Tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -69,3 +70,33 @@ def check_choice(op: str, name: str, value: str, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{op}: {name} must be one of {tuple(choices)}, got {value!r}")
     return value
+
+
+def check_label_tensor(op: str, labels, expected_shape, reference: Tensor, reference_name: str) -> Tensor:
+    """``labels`` must be an integer tensor of ``expected_shape`` on ``reference``'s device."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{op}: labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"{op}: labels has dtype {labels.dtype}; expected an integer dtype such as torch.int64")
+    if tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(
+            f"{op}: labels has shape {tuple(labels.shape)}; expected {tuple(expected_shape)} "
+            f"(the leading dimensions of {reference_name})"
+        )
+    if labels.device != reference.device:
+        raise ValueError(f"{op}: labels is on {labels.device}; expected {reference.device} like {reference_name}")
+    return labels
+
+
+def check_labels_in_range(op: str, labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is ``ignore_index`` or a class in [0, vocab). Reading the answer waits
+    for the device, so each op call checks once, before any kernel runs: an
+    out-of-range label would otherwise read outside the row (Triton) or trip a device
+    assert far from its cause."""
+    outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(outside.any()):
+        value = int(labels[outside][0])
+        raise ValueError(
+            f"{op}: labels contains {value}, which is neither ignore_index ({ignore_index}) "
+            f"nor a class index in [0, {vocab})"
+        )

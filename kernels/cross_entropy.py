@@ -32,7 +32,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .checks import check_choice, check_tensor
+from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
@@ -53,36 +53,6 @@ def check_loss_options(op: str, ignore_index, label_smoothing, reduction, z_loss
     if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or not z_loss >= 0.0:
         raise ValueError(f"{op}: z_loss must be a number >= 0, got {z_loss!r}")
     check_choice(op, "reduction", reduction, REDUCTIONS)
-
-
-def check_label_tensor(op: str, labels, expected_shape, reference: Tensor, reference_name: str) -> Tensor:
-    """``labels`` must be an integer tensor of ``expected_shape`` on ``reference``'s device."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"{op}: labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"{op}: labels has dtype {labels.dtype}; expected an integer dtype such as torch.int64")
-    if tuple(labels.shape) != tuple(expected_shape):
-        raise ValueError(
-            f"{op}: labels has shape {tuple(labels.shape)}; expected {tuple(expected_shape)} "
-            f"(the leading dimensions of {reference_name})"
-        )
-    if labels.device != reference.device:
-        raise ValueError(f"{op}: labels is on {labels.device}; expected {reference.device} like {reference_name}")
-    return labels
-
-
-def check_labels_in_range(op: str, labels: Tensor, vocab: int, ignore_index: int) -> None:
-    """Every label is ``ignore_index`` or a class in [0, vocab). Reading the answer waits
-    for the device, so each op call checks once, before any kernel runs: an
-    out-of-range label would otherwise read outside the row (Triton) or trip a device
-    assert far from its cause."""
-    outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bool(outside.any()):
-        value = int(labels[outside][0])
-        raise ValueError(
-            f"{op}: labels contains {value}, which is neither ignore_index ({ignore_index}) "
-            f"nor a class index in [0, {vocab})"
-        )
 
 
 def mean_over_labelled(total: Tensor, labels: Tensor, ignore_index: int) -> Tensor:

@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import check_tensor
-from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_label_tensor,
-                            check_labels_in_range, check_loss_options, cross_entropy_reference,
-                            mean_over_labelled)
+from .checks import check_label_tensor, check_labels_in_range, check_tensor
+from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
+                            cross_entropy_reference, mean_over_labelled)
 from .precision import compute_dtype
 from .registry import FusedOp, register_op, select_backend
 

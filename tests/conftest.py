@@ -80,3 +80,12 @@ def grads_of(outputs, inputs, seed=0):
 
 def leaf(tensor):
     return tensor.detach().clone().requires_grad_(True)
+
+
+# (label_smoothing, z_loss) combinations both loss ops are tested under.
+LOSS_OPTIONS = [
+    pytest.param(0.0, 0.0, id="plain"),
+    pytest.param(0.1, 0.0, id="smoothing"),
+    pytest.param(0.0, 1e-4, id="z-loss"),
+    pytest.param(0.1, 1e-4, id="smoothing-z-loss"),
+]

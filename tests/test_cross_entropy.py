@@ -4,22 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from te_lab.kernels.cross_entropy import CROSS_ENTROPY, cross_entropy, cross_entropy_reference
+from te_lab.kernels.cross_entropy import CROSS_ENTROPY, REDUCTIONS, cross_entropy, cross_entropy_reference
 
-from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, leaf
+from conftest import DEVICE, DTYPES, LOSS_OPTIONS, assert_close, backend_params, fused_backends, grads_of, leaf
 
 BACKENDS = backend_params(CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS
 
 # (leading shape, vocab): vocabularies that are not powers of two or block multiples.
 SHAPES = [((2, 3), 1000), ((5,), 4097)]
-REDUCTIONS = ["mean", "sum", "none"]
-OPTIONS = [  # (label_smoothing, z_loss)
-    pytest.param(0.0, 0.0, id="plain"),
-    pytest.param(0.1, 0.0, id="smoothing"),
-    pytest.param(0.0, 1e-4, id="z-loss"),
-    pytest.param(0.1, 1e-4, id="smoothing-z-loss"),
-]
 
 
 def _inputs(lead, vocab, dtype, ignore_index=-100, scale=2.0):
@@ -38,7 +31,7 @@ def _run(fn, logits, labels, **kwargs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("label_smoothing, z_loss", OPTIONS)
+@pytest.mark.parametrize("label_smoothing, z_loss", LOSS_OPTIONS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_loss_and_gradient_match_reference(backend, dtype, reduction, label_smoothing, z_loss):

@@ -4,11 +4,12 @@ reference, and the structure that makes it worth having: no [tokens, vocab] tens
 import pytest
 import torch
 
+from te_lab.kernels.cross_entropy import REDUCTIONS
 from te_lab.kernels.fused_linear_cross_entropy import (CHUNK_LOGITS_BYTES, FUSED_LINEAR_CROSS_ENTROPY,
                                                        default_chunk_size, fused_linear_cross_entropy,
                                                        fused_linear_cross_entropy_reference)
 
-from conftest import DEVICE, DTYPES, TOLERANCES, assert_close, backend_params, fused_backends, grads_of, leaf
+from conftest import DEVICE, DTYPES, LOSS_OPTIONS, TOLERANCES, assert_close, backend_params, fused_backends, grads_of, leaf
 
 BACKENDS = backend_params(FUSED_LINEAR_CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS
@@ -17,13 +18,6 @@ ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS
 # chunk, vocabularies that are not block multiples.
 CASES = [((2, 7), 32, 1000, True), ((15,), 48, 4097, False)]
 CHUNK = 4
-REDUCTIONS = ["mean", "sum", "none"]
-OPTIONS = [  # (label_smoothing, z_loss)
-    pytest.param(0.0, 0.0, id="plain"),
-    pytest.param(0.1, 0.0, id="smoothing"),
-    pytest.param(0.0, 1e-4, id="z-loss"),
-    pytest.param(0.1, 1e-4, id="smoothing-z-loss"),
-]
 
 
 def _inputs(lead, in_features, vocab, dtype, with_bias, ignore_index=-100):
@@ -44,7 +38,7 @@ def _run(fn, hidden, weight, bias, labels, **kwargs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("label_smoothing, z_loss", OPTIONS)
+@pytest.mark.parametrize("label_smoothing, z_loss", LOSS_OPTIONS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_loss_and_gradients_match_reference(backend, dtype, reduction, label_smoothing, z_loss):
