@@ -19,16 +19,10 @@ import pytest  # noqa: E402
 
 from te_lab import device as devices  # noqa: E402
 from te_lab.kernels import available_backends  # noqa: E402
+from te_lab.kernels.precision import TOLERANCES  # noqa: E402,F401 (tests import it from here)
 
 DEVICE = devices.default_device()
 
-# DESIGN.md's tolerances, forward output and every gradient.
-TOLERANCES = {
-    torch.float64: dict(rtol=1e-7, atol=1e-7),
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
-}
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,0 +1,51 @@
+"""Plain eager demo Transformers: the unfused baselines te_lab's surgery swaps layers of.
+
+``build_model("llama-tiny")`` or ``llama("tiny", seed=0)`` gives a randomly initialised
+model; nothing is downloaded. The models use no te_lab kernel, so every layer in them is
+the reference a fused twin is checked against.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .config import PRESETS, ModelConfig
+from .gpt2 import GPT2MLP, GPT2LM, GPT2Attention, GPT2Block, GPT2Body, gpt2
+from .llama import LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaLM, LlamaMLP, RMSNorm, RotaryEmbedding, llama
+from .output import LMOutput
+
+_CONSTRUCTORS = {"llama": llama, "gpt2": gpt2}
+
+MODEL_NAMES = tuple(f"{family}-{preset}" for family, presets in PRESETS.items() for preset in presets)
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """The model called ``name`` ("llama-tiny", "gpt2-small", ...); ``kwargs`` go to
+    :func:`llama` or :func:`gpt2` (seed, dtype, device, config overrides)."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(MODEL_NAMES)}")
+    family, preset = name.split("-", 1)
+    return _CONSTRUCTORS[family](preset, **kwargs)
+
+
+__all__ = [
+    "GPT2Attention",
+    "GPT2Block",
+    "GPT2Body",
+    "GPT2LM",
+    "GPT2MLP",
+    "LMOutput",
+    "LlamaAttention",
+    "LlamaBody",
+    "LlamaDecoderLayer",
+    "LlamaLM",
+    "LlamaMLP",
+    "MODEL_NAMES",
+    "ModelConfig",
+    "PRESETS",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "build_model",
+    "gpt2",
+    "llama",
+]
