@@ -1,12 +1,36 @@
 """te_lab: fused Transformer kernels you can see working, in Jupyter.
 
-Importing te_lab registers its fused ops with torch (``te_lab::*`` custom ops); it
-never imports IPython, ipywidgets or plotly.
+Importing te_lab registers its fused ops with torch (``te_lab::*`` custom ops) and its
+fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
-from te_lab import device, kernels
+from te_lab import device, kernels, models, modules
 from te_lab.kernels import use_backend
+from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
+                            fuse, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
 
 __version__ = "0.1.0"
 
-__all__ = ["device", "kernels", "use_backend", "__version__"]
+__all__ = [
+    "BuildOptions",
+    "FusionReport",
+    "FusionRule",
+    "Match",
+    "ProbeInputs",
+    "Skip",
+    "UnfuseResult",
+    "Variant",
+    "__version__",
+    "device",
+    "fuse",
+    "is_fused",
+    "kernels",
+    "models",
+    "modules",
+    "register_rule",
+    "rules",
+    "unfuse",
+    "unfused",
+    "unregister_rule",
+    "use_backend",
+]

@@ -1,0 +1,99 @@
+"""A causal language model's forward with the LM head and its loss fused.
+
+Called with ``labels``, the model runs its body (the decoder stack) and then
+``fused_linear_cross_entropy`` over the final hidden states, in token chunks, so the
+``[tokens, vocab]`` logits never exist in memory: the output carries the loss and
+``logits=None``. Without labels (or with options the fused path does not cover, such as
+``logits_to_keep``) the model's own forward runs unchanged and returns its logits.
+
+The loss is Hugging Face's causal-LM convention: position ``t`` predicts label
+``t + 1``, ``-100`` is ignored, the mean is over labelled tokens (a sum divided by
+``num_items_in_batch`` when that is given, as gradient accumulation passes it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from te_lab.kernels.fused_linear_cross_entropy import FUSED_LINEAR_CROSS_ENTROPY, fused_linear_cross_entropy
+from te_lab.kernels.registry import select_backend
+
+from .call_arguments import accepts, forward_signature, named_arguments
+from .linear_like import linear_weight
+
+IGNORE_INDEX = -100
+# Fields of a model output that the body's output can fill in.
+BODY_OUTPUT_FIELDS = ("cache", "past_key_values", "hidden_states", "attentions")
+
+
+class FusedLMHeadLoss:
+    """Installed as ``model.forward`` (an instance attribute) by :func:`te_lab.fuse`.
+
+    ``head`` and ``body`` name the model's children (``lm_head`` and its
+    ``base_model_prefix``); ``output_type`` is the class of the model's output.
+    """
+
+    ops = (FUSED_LINEAR_CROSS_ENTROPY,)
+
+    def __init__(self, model: nn.Module, *, head: str, body: str, output_type: type,
+                 backend: Optional[str] = None):
+        self.model = model
+        self.head_name, self.body_name = head, body
+        self.output_type = output_type
+        self.backend = backend if backend in FUSED_LINEAR_CROSS_ENTROPY.backends() else None
+        # An instance-level forward installed by someone else (a hook library) is kept
+        # and called, and put back on unfuse.
+        self.replaced_instance_forward: Optional[Callable] = model.__dict__.get("forward")
+        self.original_forward: Callable = self.replaced_instance_forward or type(model).forward.__get__(model)
+        self._signature = forward_signature(self.original_forward)
+
+    def __call__(self, *args, **kwargs):
+        named = named_arguments(self._signature, args, kwargs)
+        labels = named.pop("labels", None)
+        if labels is None or named.pop("logits_to_keep", 0) not in (0, None) or named.get("return_dict") is False:
+            return self.original_forward(*args, **kwargs)
+        num_items = named.get("num_items_in_batch")
+        body = self.model._modules[self.body_name]
+        body_signature = forward_signature(body.forward)
+        body_output = body(**{name: value for name, value in named.items() if accepts(body_signature, name)})
+        hidden = _last_hidden_state(body_output)
+        weight, bias = linear_weight(self.model._modules[self.head_name])
+        shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+        loss = fused_linear_cross_entropy(hidden, weight, shifted.to(hidden.device), bias, ignore_index=IGNORE_INDEX,
+                                          reduction="mean" if num_items is None else "sum", backend=self.backend)
+        if num_items is not None:
+            loss = loss / num_items
+        return self.output_type(loss=loss, logits=None, **_carried_fields(self.output_type, body_output))
+
+    def resolved_backends(self, device: torch.device) -> dict[str, str]:
+        return {FUSED_LINEAR_CROSS_ENTROPY.name: select_backend(FUSED_LINEAR_CROSS_ENTROPY, device, self.backend)}
+
+    def kernel_names(self) -> list[str]:
+        return [f"te_lab::{FUSED_LINEAR_CROSS_ENTROPY.name}"]
+
+    def restore_original(self) -> nn.Module:
+        if self.replaced_instance_forward is not None:
+            self.model.forward = self.replaced_instance_forward
+        else:
+            del self.model.forward
+        return self.model
+
+
+def _last_hidden_state(body_output: Any) -> Tensor:
+    if isinstance(body_output, Tensor):
+        return body_output
+    hidden = getattr(body_output, "last_hidden_state", None)
+    return hidden if hidden is not None else body_output[0]
+
+
+def _carried_fields(output_type: type, body_output: Any) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(output_type) or isinstance(body_output, Tensor):
+        return {}
+    names = {field.name for field in dataclasses.fields(output_type)}
+    return {name: getattr(body_output, name) for name in BODY_OUTPUT_FIELDS
+            if name in names and getattr(body_output, name, None) is not None}

@@ -1,0 +1,31 @@
+"""Model surgery: find the layers of a model that have a fused twin, probe-verify each
+twin against the layer, swap it in place, and undo it (``te_lab.fuse`` / ``unfuse``).
+
+Importing this package registers the built-in rules, in the order they are tried.
+"""
+
+from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401  (registration, in order)
+from .fuse import UnfuseResult, fuse, is_fused, unfuse, unfused
+from .report import FusionReport, FusionRow, ModelCheck
+from .rules import (BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules,
+                    unregister_rule)
+
+__all__ = [
+    "BuildOptions",
+    "FusionReport",
+    "FusionRow",
+    "FusionRule",
+    "Match",
+    "ModelCheck",
+    "ProbeInputs",
+    "Skip",
+    "UnfuseResult",
+    "Variant",
+    "fuse",
+    "is_fused",
+    "register_rule",
+    "rules",
+    "unfuse",
+    "unfused",
+    "unregister_rule",
+]

@@ -1,0 +1,426 @@
+"""fuse / unfuse / unfused: swap a model's layers for fused twins in place, and back.
+
+``fuse`` walks the model top-down. For each module it asks the selected rules in
+order; a :class:`~te_lab.surgery.rules.Match` offers fused twins, each probed against
+the module (forward and backward, DESIGN.md's tolerances) on the module's real inputs
+from the user's sample or on synthesized ones. The first twin within tolerance
+replaces the module in its parent (or, for the LM head + loss, is installed as the
+model's ``forward``); a module whose twins all miss stays as it is, and the report says
+by how much they missed. Modules inside a replaced one are covered by its twin.
+
+What was swapped is recorded on the model (an attribute outside ``state_dict``), so
+``unfuse`` puts the very original module objects back, and a second ``fuse`` leaves
+fused modules alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from te_lab.kernels.registry import BACKENDS
+from te_lab.modules.base import FusedModule
+from te_lab.modules.lm_head_loss import FusedLMHeadLoss
+
+from . import report as reports
+from .inspection import tensor_like
+from .probe import (Difference, ProbeResult, call_with, capture_inputs, compare, named_parameters_for_probe,
+                    output_tensors, probe, quiet_state, sample_as_inputs)
+from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
+from .timing import median_times_ms
+
+STATE_ATTRIBUTE = "_te_lab_fusion"
+
+
+@dataclass
+class Swap:
+    """One installed fusion: ``twin`` stands where ``original`` stood, at each
+    (parent, child name) in ``sites``, or, with no sites, as ``original.forward``."""
+
+    path: str
+    rule: str
+    original: nn.Module
+    twin: Any
+    sites: list = field(default_factory=list)
+
+    def install(self) -> None:
+        if self.sites:
+            self.twin.adopt_original()
+            for parent, name in self.sites:
+                parent._modules[name] = self.twin
+        else:
+            self.original.forward = self.twin
+
+    def is_installed(self) -> bool:
+        if self.sites:
+            return any(parent._modules.get(name) is self.twin for parent, name in self.sites)
+        return self.original.__dict__.get("forward") is self.twin
+
+    def remove(self) -> None:
+        restored = self.twin.restore_original()
+        for parent, name in self.sites:
+            if parent._modules.get(name) is self.twin:
+                parent._modules[name] = restored
+
+
+def _swaps(model: nn.Module) -> list[Swap]:
+    """Every installed swap recorded on ``model`` or on modules inside it, oldest first."""
+    found = []
+    for module in model.modules():
+        found.extend(swap for swap in module.__dict__.get(STATE_ATTRIBUTE, []) if swap.is_installed())
+    return found
+
+
+def _forget(model: nn.Module, swaps: Iterable[Swap]) -> None:
+    gone = {id(swap) for swap in swaps}
+    for module in model.modules():
+        if STATE_ATTRIBUTE in module.__dict__:
+            module.__dict__[STATE_ATTRIBUTE] = [s for s in module.__dict__[STATE_ATTRIBUTE] if id(s) not in gone]
+
+
+def is_fused(model: nn.Module) -> bool:
+    """Whether ``model`` holds any module te_lab swapped in."""
+    return bool(_swaps(model))
+
+
+# ---- selection: only= / exclude= ------------------------------------------------------
+
+
+def _path_matches(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
+
+
+class Selection:
+    """``only`` / ``exclude`` entries: rule names or module-path globs (a glob also
+    selects the modules inside what it matches)."""
+
+    def __init__(self, only, exclude, paths: list[str], names: list[str]):
+        self.only_rules, self.only_paths = self._parse("only", only, paths, names)
+        self.exclude_rules, self.exclude_paths = self._parse("exclude", exclude, paths, names)
+        self.enabled_rules = frozenset(set(self.only_rules or names) - set(self.exclude_rules))
+
+    @staticmethod
+    def _parse(argument: str, value, paths: list[str], names: list[str]) -> tuple[list[str], list[str]]:
+        if value is None:
+            return [], []
+        entries = [value] if isinstance(value, str) else value
+        try:
+            entries = list(entries)
+        except TypeError:
+            raise TypeError(f"te_lab.fuse: {argument} must be a rule name, a module-path glob or a list of them, "
+                            f"got {type(value).__name__}") from None
+        rule_entries, path_entries = [], []
+        for entry in entries:
+            if not isinstance(entry, str):
+                raise TypeError(f"te_lab.fuse: {argument} entries must be strings, got {entry!r}")
+            if entry in names:
+                rule_entries.append(entry)
+            elif any(_path_matches(path, entry) for path in paths):
+                path_entries.append(entry)
+            else:
+                examples = ", ".join(p for p in paths[1:4])
+                raise ValueError(
+                    f"te_lab.fuse: {argument} entry {entry!r} is neither a rule name (valid: {', '.join(names)}) "
+                    f"nor a glob matching a module path of this model (paths look like: {examples})")
+        return rule_entries, path_entries
+
+    def allows(self, rule: FusionRule, path: str) -> bool:
+        if rule.realized_by is not None:
+            return False
+        carried = {r.name for r in rules() if r.realized_by == rule.name}
+        if rule.name not in self.enabled_rules and not (carried & self.enabled_rules):
+            return False
+        if self.only_paths and not any(_path_matches(path, p) for p in self.only_paths):
+            return False
+        return not any(_path_matches(path, p) for p in self.exclude_paths)
+
+
+# ---- candidates --------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    path: str
+    module: nn.Module
+    results: list  # (rule, Match | Skip)
+
+
+def _match(rule: FusionRule, module: nn.Module):
+    try:
+        return rule.match(module)
+    except Exception as error:  # noqa: BLE001 - a rule's bug must not stop the others
+        return Skip(f"rule {rule.name!r} raised {type(error).__name__}: {error}")
+
+
+def _already_fused(model: nn.Module) -> list[str]:
+    return [path for path, module in model.named_modules()
+            if isinstance(module, FusedModule) or isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)]
+
+
+def _candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
+    found = []
+    fused_prefixes: list[str] = []
+    for path, module in model.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in fused_prefixes):
+            continue
+        if isinstance(module, FusedModule):
+            fused_prefixes.append(path)
+            continue
+        forward_fused = isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)
+        results = []
+        for rule in rules():
+            if not selection.allows(rule, path):
+                continue
+            result = _match(rule, module)
+            if isinstance(result, Match) and result.replaces_forward and forward_fused:
+                continue
+            if result is not None:
+                results.append((rule, result))
+        if results:
+            found.append(Candidate(path, module, results))
+    return found
+
+
+def _sites(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(parent, name) for parent in model.modules() for name, child in parent._modules.items()
+            if child is module]
+
+
+# ---- fuse ------------------------------------------------------------------------------
+
+
+def _progress(items: list, enabled: Optional[bool], description: str):
+    if enabled is False or not items:
+        return items
+    # tqdm.auto would import IPython outside a notebook; use it only where IPython runs.
+    if "IPython" in sys.modules:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
+    return tqdm(items, desc=description, disable=None if enabled is None else False, leave=False)
+
+
+class _Fuser:
+    def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, auto: bool,
+                 captured: dict[str, ProbeInputs], device: torch.device):
+        self.model, self.options, self.verify, self.auto = model, options, verify, auto
+        self.captured, self.device = captured, device
+        self.swaps: list[Swap] = []
+
+    def process(self, candidate: Candidate) -> reports.FusionRow:
+        reasons = []
+        first_rule = candidate.results[0][0]
+        row = None
+        for rule, result in candidate.results:
+            if isinstance(result, Skip):
+                reasons.append(result.reason)
+                continue
+            row = self._try_match(candidate, rule, result, reasons)
+            if row is not None:
+                return row
+        return reports.FusionRow(candidate.path, type(candidate.module).__name__, first_rule.name, first_rule.kind,
+                                 reports.SKIPPED, reason="; ".join(dict.fromkeys(reasons)) or "no rule applied")
+
+    def _inputs(self, candidate: Candidate, match: Match) -> tuple[ProbeInputs, str]:
+        captured = self.captured.get(candidate.path)
+        if captured is not None:
+            return (match.complete_inputs(captured) if match.complete_inputs else captured), "sample"
+        return match.example_inputs(), "synthesized"
+
+    def _try_match(self, candidate: Candidate, rule: FusionRule, match: Match, reasons: list):
+        module = candidate.module
+        if candidate.path == "" and not match.replaces_forward:
+            reasons.append(f"is the model itself (rule {rule.name}); fuse swaps modules inside the model it is given, "
+                           f"so pass its parent")
+            return None
+        inputs, source = (None, "none (verify=False)") if not self.verify else self._inputs(candidate, match)
+        for variant in match.variants:
+            try:
+                twin = variant.build(self.options)
+            except Exception as error:  # noqa: BLE001 - reported as the reason to skip
+                reasons.append(f"could not build the fused twin: {type(error).__name__}: {error}")
+                continue
+            if not twin.ops:
+                reasons.append("nothing of it is fused under the selected rules")
+                continue
+            original = twin.original_forward if match.replaces_forward else module
+            result = self._probe(module, original, twin, inputs, match) if self.verify else None
+            if result is not None and not result.passed:
+                reasons.append(result.reason)
+                continue
+            row = reports.FusionRow(
+                candidate.path, type(module).__name__, rule.name, rule.kind, reports.FUSED,
+                fused_type=type(twin).__name__, variant=variant.note,
+                backends=twin.resolved_backends(self.device), kernels=twin.kernel_names(), probe=source)
+            if result is not None:
+                row.output_max_abs, row.output_max_rel = result.output_max_abs, result.output_max_rel
+                row.grad_max_abs, row.grad_max_rel = result.grad_max_abs, result.grad_max_rel
+            if self.auto:
+                with quiet_state([module], self.device):
+                    row.time_original_ms, row.time_fused_ms = median_times_ms(
+                        original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
+                        match.probe_outputs or output_tensors, self.device)
+                row.speedup = row.time_original_ms / row.time_fused_ms if row.time_fused_ms > 0 else None
+                if row.time_fused_ms >= row.time_original_ms:
+                    row.status = reports.KEPT_SLOWER
+                    row.reason = (f"fused {row.time_fused_ms:.3g} ms vs original {row.time_original_ms:.3g} ms "
+                                  f"(forward + backward, median)")
+                    return row
+            swap = Swap(candidate.path, rule.name, module, twin,
+                        [] if match.replaces_forward else _sites(self.model, module))
+            swap.install()
+            self.swaps.append(swap)
+            return row
+        return None
+
+    def _probe(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
+        try:
+            with quiet_state([module], self.device):
+                return probe(original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
+                             match.probe_outputs)
+        except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
+            return ProbeResult(False, float("inf"), float("inf"), None, None,
+                               f"probe raised {type(error).__name__}: {error}")
+
+
+def _check_backend(backend) -> Optional[str]:
+    if backend is None or backend == "auto":
+        return None
+    if backend not in BACKENDS:
+        raise ValueError(f"te_lab.fuse: backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    return backend
+
+
+def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backend: str = "auto",
+         verify: bool = True, auto: bool = False, progress: Optional[bool] = None) -> reports.FusionReport:
+    """Swap ``model``'s layers for fused twins, in place, and report what was done.
+
+    - ``sample``: inputs for ``model`` (a tensor, a tuple of positional arguments or a
+      dict of keyword arguments). The model runs on it once so every candidate is
+      probed on its real inputs, and the whole model's output is compared before and
+      after. Without it, probes are synthesized from the modules' shapes.
+    - ``only`` / ``exclude``: rule names (see :func:`te_lab.rules`) or module-path
+      globs (``"model.layers.0.*"``), one or a list.
+    - ``backend``: ``"auto"``, or a backend forced on every fused op that has it.
+    - ``verify=False`` swaps without probing (not recommended).
+    - ``auto=True`` times each verified twin against its original (forward + backward
+      on the probe, interleaved medians) and keeps only the faster ones.
+    - ``progress``: show a progress bar (default: where a terminal or notebook shows one).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"te_lab.fuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    requested = _check_backend(backend)
+    if auto and not verify:
+        raise ValueError("te_lab.fuse: auto=True times verified swaps; it cannot be combined with verify=False")
+    if verify and torch.is_inference_mode_enabled():
+        raise RuntimeError("te_lab.fuse: probes need autograd, which torch.inference_mode() disables; "
+                           "call fuse outside it (or pass verify=False)")
+    all_modules = dict(model.named_modules())
+    selection = Selection(only, exclude, list(all_modules), [r.name for r in rules()])
+    _, device = tensor_like(model)
+    already = _already_fused(model)
+    candidates = _candidates(model, selection)
+    captured, before = {}, None
+    sample_inputs = None if sample is None else sample_as_inputs(sample)
+    if sample_inputs is not None:
+        try:
+            captured, before = capture_inputs(model, sample_inputs, {c.path: c.module for c in candidates}, device)
+        except Exception as error:
+            raise ValueError(f"te_lab.fuse: running the model on sample failed: {type(error).__name__}: {error}") \
+                from error
+    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, captured, device)
+    rows = []
+    replaced: list[str] = []
+    show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
+    for candidate in _progress(candidates, show_progress, "te_lab.fuse: probing"):
+        if any(candidate.path.startswith(p + ".") for p in replaced):
+            continue  # inside a module already replaced by a twin that covers it
+        row = fuser.process(candidate)
+        rows.append(row)
+        if row.status == reports.FUSED and fuser.swaps and fuser.swaps[-1].sites:
+            replaced.append(candidate.path)
+    model.__dict__.setdefault(STATE_ATTRIBUTE, []).extend(fuser.swaps)
+    report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
+    if sample_inputs is not None and fuser.swaps:
+        report.model_check = _model_check(model, sample_inputs, before, device)
+    if any(row.rule == "lm_head_loss" and row.status == reports.FUSED for row in rows):
+        report.notes.append("lm_head_loss: called with labels, the model returns the loss and logits=None "
+                            "(the full logits are never materialized); without labels it returns logits as before")
+    return report
+
+
+def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: torch.device) -> reports.ModelCheck:
+    with quiet_state([model], device), torch.no_grad():
+        after = call_with(model, sample)
+    check = reports.ModelCheck()
+    pairs: list[tuple[str, Any, Any]]
+    if hasattr(before, "logits") or hasattr(before, "loss"):
+        pairs = [(name, getattr(after, name, None), getattr(before, name, None)) for name in ("logits", "loss")]
+        loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
+        check.loss_before = None if loss_before is None else float(loss_before)
+        check.loss_after = None if loss_after is None else float(loss_after)
+        if getattr(before, "logits", None) is not None and getattr(after, "logits", None) is None:
+            check.note = "logits not compared: the fused LM head does not return them when labels are given"
+    else:
+        expected, actual = output_tensors(before), output_tensors(after)
+        pairs = [(f"output {i}", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
+    for name, actual, expected in pairs:
+        if actual is None or expected is None:
+            continue
+        difference: Difference = compare(name, actual, expected)
+        check.compared.append(dict(name=name, max_abs=difference.max_abs, max_rel=difference.max_rel,
+                                   within_tolerance=difference.within_tolerance))
+    return check
+
+
+# ---- unfuse ----------------------------------------------------------------------------
+
+
+@dataclass
+class UnfuseResult:
+    """What :func:`unfuse` restored (module paths; ``"(model)"`` for the model's forward)."""
+
+    model_type: str
+    restored: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.restored:
+            return f"te_lab.unfuse: nothing to restore; this {self.model_type} has no te_lab fusions"
+        return (f"te_lab.unfuse: restored {len(self.restored)} original module(s) in {self.model_type}: "
+                + ", ".join(self.restored))
+
+    __repr__ = __str__
+
+
+def unfuse(model: nn.Module) -> UnfuseResult:
+    """Put the original module objects back (with whatever their weights learned while
+    fused). On a model with no fusions it does nothing and says so."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"te_lab.unfuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    swaps = _swaps(model)
+    for swap in reversed(swaps):
+        swap.remove()
+    _forget(model, swaps)
+    return UnfuseResult(type(model).__name__, [swap.path or reports.ROOT_LABEL for swap in swaps])
+
+
+@contextlib.contextmanager
+def unfused(model: nn.Module) -> Iterator[nn.Module]:
+    """``with te_lab.unfused(model):`` runs the block on the original modules, then puts
+    the same fused twins back (no re-verification: they were verified when fused)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"te_lab.unfused: model must be a torch.nn.Module, got {type(model).__name__}")
+    swaps = _swaps(model)
+    for swap in reversed(swaps):
+        swap.remove()
+    try:
+        yield model
+    finally:
+        for swap in swaps:
+            swap.install()

@@ -1,0 +1,108 @@
+"""What the rules read off a module: its activation (by what it computes, not by its
+class), its epsilon, its head counts, and the dtype and device its inputs will have."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from te_lab.modules.call_arguments import forward_signature
+
+EPSILON_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
+ACTIVATION_ATTRIBUTES = ("act_fn", "act", "activation_fn", "activation", "intermediate_act_fn")
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+
+_ACTIVATION_REFERENCES: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def identify_activation(fn: Callable) -> Optional[str]:
+    """The fused activation ``fn`` computes ("gelu", "gelu_tanh", "silu"), found by
+    evaluating it, or ``None``. Exact and tanh GELU differ by up to ~5e-4 on this grid,
+    far above float64 rounding, so the answer is unambiguous."""
+    x = torch.linspace(-8.0, 8.0, 1601, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:  # noqa: BLE001 - any failure means "not an activation we know"
+        return None
+    if not isinstance(y, Tensor) or y.shape != x.shape:
+        return None
+    for name, reference in _ACTIVATION_REFERENCES.items():
+        if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-7):
+            return name
+    return None
+
+
+def describe_callable(fn: Any) -> str:
+    return type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__name__", type(fn).__name__)
+
+
+def activation_attribute(module: nn.Module) -> Optional[tuple[str, Callable]]:
+    """An activation held as a plain attribute (``self.act_fn = F.silu``)."""
+    for name in ACTIVATION_ATTRIBUTES:
+        value = module.__dict__.get(name)
+        if callable(value) and not isinstance(value, nn.Module):
+            return name, value
+    return None
+
+
+def epsilon_of(module: nn.Module) -> Optional[float]:
+    for name in EPSILON_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def head_count(module: nn.Module) -> Optional[int]:
+    for source in (module, getattr(module, "config", None)):
+        for name in HEAD_COUNT_ATTRIBUTES:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def float_attribute(module: nn.Module, name: str, default: float) -> float:
+    value = getattr(module, name, default)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def takes_argument(module: nn.Module, name: str) -> bool:
+    try:
+        return name in forward_signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def tensor_like(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of a module's floating-point parameters (its inputs will
+    have them); float32 on the CPU for a module without any."""
+    for parameter in module.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype, parameter.device
+    return torch.float32, torch.device("cpu")
+
+
+def random_tensor(shape: tuple[int, ...], like: nn.Module, seed: int = 0) -> Tensor:
+    """A standard-normal tensor in the module's dtype and device, drawn from a private
+    generator so the caller's RNG stream is untouched."""
+    dtype, device = tensor_like(like)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def rotary_tables(batch: int, seq: int, head_dim: int, like: nn.Module, theta: float = 10000.0):
+    """Hugging Face-convention RoPE tables ``(cos, sin)``, each ``[batch, seq, head_dim]``."""
+    dtype, device = tensor_like(like)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+    emb = torch.cat((angles, angles), dim=-1).expand(batch, seq, head_dim)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)

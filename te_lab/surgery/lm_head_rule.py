@@ -1,0 +1,76 @@
+"""The ``lm_head_loss`` rule: a causal LM's head and loss become fused linear
+cross-entropy (see :mod:`te_lab.modules.lm_head_loss`).
+
+A candidate has an ``lm_head`` projection, a body child named by its
+``base_model_prefix`` (Hugging Face's convention, which te_lab's demo models follow),
+a forward that takes ``labels`` and an output object with ``loss`` and ``logits``
+fields. The probe runs the whole model with labels and compares the loss and every
+parameter gradient; labels are added to a captured call that lacks them (the inputs
+shifted by one, as for language-model training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from te_lab.modules.lm_head_loss import FusedLMHeadLoss
+from te_lab.modules.linear_like import in_out_features, is_linear_like
+
+from .inspection import takes_argument, tensor_like
+from .probe import call_with, quiet_state
+from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Variant, register_builtin_rule
+
+PROBE_TOKENS = (2, 16)
+
+
+def _with_labels(inputs: ProbeInputs) -> ProbeInputs:
+    if "labels" in inputs.kwargs:
+        return inputs
+    input_ids = inputs.kwargs.get("input_ids", inputs.args[0] if inputs.args else None)
+    if not isinstance(input_ids, Tensor):
+        return inputs
+    return ProbeInputs(inputs.args, {**inputs.kwargs, "labels": input_ids.clone()})
+
+
+def _loss_only(output) -> list[Tensor]:
+    loss = getattr(output, "loss", None)
+    return [] if loss is None else [loss]
+
+
+def match_lm_head_loss(module: nn.Module) -> MatchResult:
+    head = module._modules.get("lm_head")
+    body_name = getattr(module, "base_model_prefix", None)
+    if not is_linear_like(head) or not isinstance(body_name, str) or body_name not in module._modules:
+        return None
+    if not takes_argument(module, "labels"):
+        return None
+    vocab = in_out_features(head)[1]
+    _, device = tensor_like(module)
+
+    def example() -> ProbeInputs:
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, vocab, PROBE_TOKENS, generator=generator).to(device)
+        return ProbeInputs((), {"input_ids": ids, "labels": ids.clone()})
+
+    def build(options: BuildOptions) -> FusedLMHeadLoss:
+        with quiet_state([module], device), torch.no_grad():
+            output = call_with(module, example())
+        names = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+        if not {"loss", "logits"} <= names:
+            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}, not an output object with "
+                            f"loss and logits fields, which the fused forward fills in")
+        return FusedLMHeadLoss(module, head="lm_head", body=body_name, output_type=type(output),
+                               backend=options.backend)
+
+    return Match([Variant(build)], example, complete_inputs=_with_labels, probe_outputs=_loss_only,
+                 replaces_forward=True)
+
+
+LM_HEAD_LOSS = register_builtin_rule(FusionRule(
+    "lm_head_loss", "loss",
+    "causal-LM head + cross-entropy -> chunked fused linear cross-entropy when called with labels "
+    "(the output's logits are then None)",
+    match_lm_head_loss))

@@ -1,0 +1,287 @@
+"""Probing: run an original module and its fused twin on the same inputs, forward and
+backward, and compare outputs, input gradients and parameter gradients.
+
+A probe leaves no trace: gradients come from ``torch.autograd.grad`` (``.grad`` is
+never written), buffers are restored, every module runs in eval mode (dropout off, so
+the comparison is deterministic; train/eval flags are put back exactly), and the RNG
+state of the CPU and the device is forked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from te_lab.kernels.precision import TOLERANCES
+
+from .rules import ProbeInputs
+
+UPSTREAM_SEED = 0
+
+
+@contextlib.contextmanager
+def quiet_state(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """Eval mode, forked RNG and restored buffers for the duration of the block."""
+    modes = [(m, m.training) for root in modules for m in root.modules()]
+    buffers = [(b, b.detach().clone()) for root in modules for b in root.buffers()]
+    gpu_devices = [device] if device.type != "cpu" else []
+    fork_options = {"device_type": device.type} if device.type != "cpu" else {}
+    try:
+        with torch.random.fork_rng(devices=gpu_devices, **fork_options):
+            for module, _ in modes:
+                module.training = False
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
+
+
+def call_with(fn: Callable, inputs: ProbeInputs):
+    return fn(*inputs.args, **inputs.kwargs)
+
+
+def sample_as_inputs(sample: Any) -> ProbeInputs:
+    """``fuse(sample=...)``: a tensor, a tuple/list of positional arguments, or a dict of
+    keyword arguments."""
+    if isinstance(sample, torch.Tensor):
+        return ProbeInputs((sample,))
+    if isinstance(sample, (tuple, list)):
+        return ProbeInputs(tuple(sample))
+    if isinstance(sample, dict):
+        return ProbeInputs((), dict(sample))
+    raise TypeError(
+        f"te_lab.fuse: sample must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments for the model's forward, got {type(sample).__name__}"
+    )
+
+
+def _detached(value: Any) -> Any:
+    """A copy of captured arguments that later calls cannot alter: tensors cloned,
+    containers rebuilt; stateful objects (KV caches, hook handles) become ``None``, so
+    a probe computes the module's plain, cache-free forward."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return value
+    return None
+
+
+def capture_inputs(model: nn.Module, sample: ProbeInputs, modules: dict[str, nn.Module],
+                   device: torch.device) -> tuple[dict[str, ProbeInputs], Any]:
+    """Run ``model`` on ``sample`` once and record the first call of each module in
+    ``modules`` (path -> module). Returns the captured inputs and the model's output."""
+    captured: dict[str, ProbeInputs] = {}
+    handles = []
+
+    def recorder(path: str):
+        def hook(_module, args, kwargs):
+            if path not in captured:
+                captured[path] = ProbeInputs(_detached(tuple(args)), _detached(dict(kwargs)))
+        return hook
+
+    for path, module in modules.items():
+        handles.append(module.register_forward_pre_hook(recorder(path), with_kwargs=True))
+    try:
+        with quiet_state([model], device), torch.no_grad():
+            output = call_with(model, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured, output
+
+
+def output_tensors(output: Any) -> list[Tensor]:
+    """Every tensor in an output (tensors, tuples, lists, dicts, dataclass-like model
+    outputs), in order; ``None`` entries are dropped."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        return [t for v in output.values() for t in output_tensors(v)]
+    if isinstance(output, (tuple, list)):
+        return [t for v in output for t in output_tensors(v)]
+    if hasattr(output, "__dataclass_fields__"):
+        return [t for name in output.__dataclass_fields__ for t in output_tensors(getattr(output, name))]
+    return []
+
+
+@dataclass(frozen=True)
+class Difference:
+    """How far one tensor is from its reference: max |a - b|, that over max |b|, and
+    whether every element is within the dtype's tolerance."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    within_tolerance: bool
+    problem: str = ""  # a structural mismatch (shape, dtype, missing), when there is one
+
+
+def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor]) -> Difference:
+    if actual is None and expected is None:
+        return Difference(name, 0.0, 0.0, True)
+    if actual is None or expected is None:
+        present = expected if actual is None else actual
+        actual = torch.zeros_like(present) if actual is None else actual
+        expected = torch.zeros_like(present) if expected is None else expected
+    if actual.shape != expected.shape:
+        return Difference(name, float("inf"), float("inf"), False,
+                          f"{name} has shape {tuple(actual.shape)}, the original's {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        return Difference(name, float("inf"), float("inf"), False,
+                          f"{name} has dtype {actual.dtype}, the original's {expected.dtype}")
+    a, b = actual.detach().double(), expected.detach().double()
+    tolerance = TOLERANCES.get(expected.dtype, TOLERANCES[torch.float32])
+    if a.numel() == 0:
+        return Difference(name, 0.0, 0.0, True)
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    error = torch.where(both_nan, torch.zeros_like(a), (a - b).abs())
+    max_abs = float(error.max())
+    scale = float(b.abs().nan_to_num(0.0).max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    within = bool(torch.allclose(a, b, equal_nan=True, **tolerance))
+    return Difference(name, max_abs, max_rel, within)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The verdict of one probe: worst output and gradient differences, and why it
+    failed when it did."""
+
+    passed: bool
+    output_max_abs: float
+    output_max_rel: float
+    grad_max_abs: Optional[float]
+    grad_max_rel: Optional[float]
+    reason: str = ""
+
+
+def _argument_names(fn: Callable, inputs: ProbeInputs) -> list[str]:
+    try:
+        parameters = list(inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    names = []
+    for index in range(len(inputs.args)):
+        if index < len(parameters) and parameters[index].kind in (
+                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameters[index].name)
+        else:
+            names.append(f"arg{index}")
+    return names
+
+
+def _prepared(inputs: ProbeInputs, names: list[str], constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
+    """Fresh copies of the inputs; floating tensors not named constant require grad."""
+    differentiable: list[tuple[str, Tensor]] = []
+
+    def prepare(name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            copy = value.detach().clone()
+            top_level = name.split("[")[0]
+            if top_level not in constant and "mask" not in top_level and copy.is_floating_point():
+                copy.requires_grad_(True)
+                differentiable.append((name, copy))
+            return copy
+        if isinstance(value, (tuple, list)):
+            return type(value)(prepare(f"{name}[{i}]", v) for i, v in enumerate(value))
+        return value
+
+    args = tuple(prepare(name, value) for name, value in zip(names, inputs.args))
+    kwargs = {name: prepare(name, value) for name, value in inputs.kwargs.items()}
+    return ProbeInputs(args, kwargs), differentiable
+
+
+def _is_constant(name: str, constant: frozenset) -> bool:
+    return name.split("[")[0] in constant
+
+
+def prepare(original: Callable, inputs: ProbeInputs, constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
+    """Fresh copies of ``inputs`` for one call, and the differentiable ones among them:
+    floating tensors not named constant, named as ``original``'s signature names them
+    (the same names serve its fused twin, which may take ``*args, **kwargs``)."""
+    names = _argument_names(original, inputs)
+    constant_names = frozenset(n for n in names + list(inputs.kwargs) if _is_constant(n, constant))
+    return _prepared(inputs, names, constant_names)
+
+
+def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[tuple[str, Tensor]],
+                     parameters: list[nn.Parameter], select: Callable[[Any], list[Tensor]]):
+    """Outputs of ``fn``, and gradients of a fixed random linear function of them w.r.t.
+    the differentiable inputs and ``parameters`` (``None`` where unused)."""
+    with torch.enable_grad():
+        outputs = select(call_with(fn, prepared))
+        targets = [t for t in outputs if t.requires_grad]
+        if not targets:
+            return outputs, []
+        generator = torch.Generator(device="cpu").manual_seed(UPSTREAM_SEED)
+        total = sum((t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in targets)
+        leaves = [tensor for _, tensor in differentiable] + list(parameters)
+        grads = torch.autograd.grad(total, leaves, allow_unused=True)
+    return outputs, list(grads)
+
+
+def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[nn.Parameter],
+          constant: frozenset, select: Optional[Callable[[Any], list[Tensor]]] = None) -> ProbeResult:
+    """Compare ``fused`` against ``original`` on ``inputs`` (see the module doc; the
+    caller holds :func:`quiet_state`)."""
+    select = select or output_tensors
+    prepared, names = prepare(original, inputs, constant)
+    expected, expected_grads = forward_backward(original, prepared, names, parameters, select)
+    prepared, fused_names = prepare(original, inputs, constant)
+    actual, actual_grads = forward_backward(fused, prepared, fused_names, parameters, select)
+    if len(actual) != len(expected):
+        return ProbeResult(False, float("inf"), float("inf"), None, None,
+                           f"returns {len(actual)} tensor(s) where the original returns {len(expected)}")
+    outputs = [compare(f"output {i}" if len(expected) > 1 else "output", a, e)
+               for i, (a, e) in enumerate(zip(actual, expected))]
+    grad_names = [f"grad of input {name}" for name, _ in names] + [f"grad of parameter {i}" for i in range(len(parameters))]
+    param_names = _parameter_names(parameters)
+    grad_names[len(names):] = [f"grad of {name}" for name in param_names]
+    grads = [compare(name, a, e) for name, a, e in zip(grad_names, actual_grads, expected_grads)]
+    failures = [d for d in outputs + grads if not d.within_tolerance]
+    worst_out = max(outputs, key=lambda d: d.max_abs, default=Difference("output", 0.0, 0.0, True))
+    worst_grad = max(grads, key=lambda d: d.max_abs, default=None)
+    reason = ""
+    if failures:
+        first = failures[0]
+        reason = first.problem or (
+            f"{first.name} differs from the original's by up to {first.max_abs:.3g} "
+            f"(relative {first.max_rel:.3g}), beyond the {_dtype_of(actual, expected)} tolerance")
+    return ProbeResult(not failures, worst_out.max_abs, worst_out.max_rel,
+                       None if worst_grad is None else worst_grad.max_abs,
+                       None if worst_grad is None else worst_grad.max_rel, reason)
+
+
+def _dtype_of(actual: list[Tensor], expected: list[Tensor]) -> str:
+    tensors = expected or actual
+    return str(tensors[0].dtype).replace("torch.", "") if tensors else "dtype's"
+
+
+_PARAMETER_NAMES: dict[int, str] = {}
+
+
+def _parameter_names(parameters: list[nn.Parameter]) -> list[str]:
+    return [_PARAMETER_NAMES.get(id(p), f"parameter {i}") for i, p in enumerate(parameters)]
+
+
+def named_parameters_for_probe(module: nn.Module) -> list[nn.Parameter]:
+    """The module's trainable parameters, remembering their names for error messages."""
+    parameters = []
+    for name, parameter in module.named_parameters():
+        if parameter.requires_grad:
+            _PARAMETER_NAMES[id(parameter)] = name
+            parameters.append(parameter)
+    return parameters

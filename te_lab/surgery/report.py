@@ -1,0 +1,167 @@
+"""FusionReport: what :func:`te_lab.fuse` did, one row per candidate module.
+
+Pure data (dataclasses) with three views: a text table for terminals (``str``), an
+HTML table for notebooks (``_repr_html_``) and plain dicts / JSON for tools
+(``to_dict`` / ``to_json``; ``from_dict`` reads them back).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+FUSED, SKIPPED, KEPT_SLOWER = "fused", "skipped", "kept-original-slower"
+STATUSES = (FUSED, SKIPPED, KEPT_SLOWER)
+ROOT_LABEL = "(model)"
+
+
+@dataclass
+class FusionRow:
+    """One candidate. Errors are the worst max-abs / max-relative differences of the
+    fused twin against the original on the probe (outputs; input and parameter
+    gradients); ``probe`` says where its inputs came from. ``speedup`` (original time
+    / fused time, forward + backward, medians) is measured with ``fuse(auto=True)``."""
+
+    path: str
+    original_type: str
+    rule: str
+    kind: str
+    status: str
+    reason: str = ""
+    fused_type: str = ""
+    variant: str = ""
+    backends: dict = field(default_factory=dict)
+    kernels: list = field(default_factory=list)
+    probe: str = ""
+    output_max_abs: Optional[float] = None
+    output_max_rel: Optional[float] = None
+    grad_max_abs: Optional[float] = None
+    grad_max_rel: Optional[float] = None
+    time_original_ms: Optional[float] = None
+    time_fused_ms: Optional[float] = None
+    speedup: Optional[float] = None
+
+    @property
+    def label(self) -> str:
+        return self.path or ROOT_LABEL
+
+
+@dataclass
+class ModelCheck:
+    """The whole model on the user's sample, before vs after fusing (forward, eval mode)."""
+
+    compared: list = field(default_factory=list)  # dicts: name, max_abs, max_rel, within_tolerance
+    loss_before: Optional[float] = None
+    loss_after: Optional[float] = None
+    note: str = ""
+
+    @property
+    def within_tolerance(self) -> bool:
+        return all(entry["within_tolerance"] for entry in self.compared)
+
+
+@dataclass
+class FusionReport:
+    model_type: str
+    device: str
+    backend: str
+    rows: list = field(default_factory=list)
+    already_fused: list = field(default_factory=list)
+    model_check: Optional[ModelCheck] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def fused(self) -> list:
+        return [row for row in self.rows if row.status == FUSED]
+
+    def counts(self) -> dict:
+        """rule -> {status: number of modules}, for every rule with a candidate."""
+        counts: dict = {}
+        for row in self.rows:
+            counts.setdefault(row.rule, Counter())[row.status] += 1
+            if row.status == FUSED and "te_lab::rope" in row.kernels:
+                counts.setdefault("rope", Counter())[FUSED] += 1
+        return {rule: dict(counter) for rule, counter in counts.items()}
+
+    def summary(self) -> str:
+        per_rule = ", ".join(f"{rule} {c.get(FUSED, 0)}/{sum(c.values())}" for rule, c in self.counts().items())
+        lines = [f"te_lab.fuse: {len(self.fused)} of {len(self.rows)} candidate modules fused in {self.model_type} "
+                 f"on {self.device} (backend {self.backend})" + (f"; fused/candidates by rule: {per_rule}" if per_rule else "")]
+        if self.already_fused:
+            lines.append(f"{len(self.already_fused)} module(s) were already fused and were left alone")
+        if self.model_check is not None:
+            lines.append(_model_check_line(self.model_check))
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        header = ("module", "original -> fused", "rule", "backend", "out err", "grad err", "speedup", "status")
+        table = [header] + [(
+            row.label, f"{row.original_type} -> {row.fused_type or '-'}", row.rule, _backends(row),
+            _error(row.output_max_abs), _error(row.grad_max_abs), _speedup(row.speedup),
+            row.status + (f": {row.reason}" if row.reason else ""),
+        ) for row in self.rows]
+        widths = [max(len(str(line[i])) for line in table) for i in range(len(header) - 1)]
+        lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line[:-1], widths)) + "  " + line[-1]
+                 for line in table]
+        return self.summary() + "\n\n" + "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        cells = "".join(f"<th>{name}</th>" for name in (
+            "module", "original", "fused", "rule", "backend / kernels", "max err out (rel)", "max err grad (rel)",
+            "speedup", "status"))
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in (
+                row.label, row.original_type, row.fused_type or "-", row.rule,
+                f"{_backends(row)} {' '.join(row.kernels)}".strip(),
+                f"{_error(row.output_max_abs)} ({_error(row.output_max_rel)})",
+                f"{_error(row.grad_max_abs)} ({_error(row.grad_max_rel)})", _speedup(row.speedup),
+            )) + f'<td style="color:{_STATUS_COLOURS[row.status]}">{html.escape(row.status)}'
+            + (f": {html.escape(row.reason)}" if row.reason else "") + "</td></tr>"
+            for row in self.rows)
+        summary = "<br>".join(html.escape(line) for line in self.summary().splitlines())
+        return (f'<div class="te-lab-fusion-report"><p>{summary}</p>'
+                f'<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table></div>')
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **dumps_options) -> str:
+        return json.dumps(self.to_dict(), **dumps_options)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FusionReport":
+        data = dict(data)
+        data["rows"] = [FusionRow(**row) for row in data.get("rows", [])]
+        if data.get("model_check") is not None:
+            data["model_check"] = ModelCheck(**data["model_check"])
+        return cls(**data)
+
+
+_STATUS_COLOURS = {FUSED: "green", SKIPPED: "#a05a00", KEPT_SLOWER: "#555"}
+
+
+def _error(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
+def _speedup(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _backends(row: FusionRow) -> str:
+    return ",".join(sorted(set(row.backends.values()))) or "-"
+
+
+def _model_check_line(check: ModelCheck) -> str:
+    parts = [f"{entry['name']} max abs diff {entry['max_abs']:.2g}" for entry in check.compared]
+    if check.loss_before is not None and check.loss_after is not None:
+        parts.append(f"loss {check.loss_before:.6g} -> {check.loss_after:.6g}")
+    verdict = "within tolerance" if check.within_tolerance else "OUTSIDE tolerance"
+    text = "; ".join(parts) if parts else "nothing comparable"
+    return f"whole model on the sample, before vs after: {text} ({verdict})" + (f"; {check.note}" if check.note else "")
