@@ -246,7 +246,7 @@ class _Fuser:
             except Exception as error:  # noqa: BLE001 - reported as the reason to skip
                 reasons.append(f"could not build the fused twin: {type(error).__name__}: {error}")
                 continue
-            if not twin.ops:
+            if not twin.kernel_names():
                 reasons.append("nothing of it is fused under the selected rules")
                 continue
             original = twin.original_forward if match.replaces_forward else module
@@ -262,7 +262,7 @@ class _Fuser:
                 row.output_max_abs, row.output_max_rel = result.output_max_abs, result.output_max_rel
                 row.grad_max_abs, row.grad_max_rel = result.grad_max_abs, result.grad_max_rel
             if self.auto:
-                with quiet_state([module], self.device):
+                with quiet_state(_modules_of(module, twin), self.device):
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
                         original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
                         match.probe_outputs or output_tensors, self.device)
@@ -281,12 +281,18 @@ class _Fuser:
 
     def _probe(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
-            with quiet_state([module], self.device):
+            with quiet_state(_modules_of(module, twin), self.device):
                 return probe(original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
                              match.probe_outputs)
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,
                                f"probe raised {type(error).__name__}: {error}")
+
+
+def _modules_of(module: nn.Module, twin: Any) -> list[nn.Module]:
+    """What a probe must hold in eval mode: the module and, when it is one, its twin
+    (which is not in the model yet, so the model's mode does not reach it)."""
+    return [module, twin] if isinstance(twin, nn.Module) else [module]
 
 
 def _check_backend(backend) -> Optional[str]:

@@ -44,7 +44,10 @@ class _Parts:
                 others.append((name, child))
         attribute = activation_attribute(module)
         activations = others + ([attribute] if attribute else [])
-        if module._parameters or len(activations) != 1 or len(dropouts) > 1 or not self.projections:
+        # An activation is a leaf without parameters; anything else makes this no MLP.
+        leaves = all(not child._modules and not child._parameters for _, child in others)
+        if (module._parameters or not leaves or len(activations) != 1 or len(dropouts) > 1
+                or not self.projections):
             return
         self.understood = True
         self.dropout = dropouts[0] if dropouts else None

@@ -1,0 +1,431 @@
+"""te_lab.fuse / unfuse / unfused on te_lab's demo models and on small hand-made modules:
+what gets swapped, that the swapped model computes what the original did (outputs,
+losses, every gradient, 30 training steps), that the swap is invisible to state dicts
+and optimizers, that probing leaves no trace, and that mistakes get clear errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import te_lab
+from te_lab import models
+from te_lab.modules import FusedModule
+
+from conftest import TOLERANCES, assert_close
+
+LAYERS = models.PRESETS["llama"]["tiny"].num_layers
+
+
+def fused_pair(family, **overrides):
+    """A tiny demo model fused with its example batch, an unfused deep copy, and the batch."""
+    model = getattr(models, family)("tiny", seed=0, **overrides)
+    reference = copy.deepcopy(model)
+    batch = model.example_batch(2, 16)
+    report = te_lab.fuse(model, sample=batch)
+    return model, reference, batch, report
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def fused_rows(report, rule):
+    return [row for row in report.rows if row.rule == rule and row.status == "fused"]
+
+
+def assert_same_training_signal(model, reference, batch):
+    loss, grads = loss_and_grads(model, batch)
+    expected_loss, expected_grads = loss_and_grads(reference, batch)
+    assert_close(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        # Weight gradients are sums over every token; fp32 needs 1e-4 there (DESIGN.md).
+        assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("llama", {"rmsnorm": 2 * LAYERS + 1, "swiglu_mlp": LAYERS, "attention": LAYERS, "rope": LAYERS,
+               "lm_head_loss": 1}),
+    ("gpt2", {"layernorm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS, "lm_head_loss": 1}),
+])
+def test_demo_models_fuse_every_layer_and_match(family, expected):
+    model, reference, batch, report = fused_pair(family)
+    assert {rule: counts.get("fused", 0) for rule, counts in report.counts().items()} == expected
+    assert all(row.status == "fused" for row in report.rows), str(report)
+    assert report.model_check is not None and report.model_check.within_tolerance
+    # every layer: norms, MLP and attention are twins now
+    blocks = model.model.layers if family == "llama" else model.transformer.h
+    for block in blocks:
+        twins = [child for child in block.children() if isinstance(child, FusedModule)]
+        assert len(twins) == 4
+    assert_same_training_signal(model, reference, batch)
+    # without labels the forward is unchanged and returns the full logits
+    with torch.no_grad():
+        assert_close(model(batch["input_ids"]).logits, reference(batch["input_ids"]).logits)
+    # with labels the LM head + loss is fused: no logits
+    assert model(**batch).logits is None
+
+
+def test_fusion_report_rows_carry_backends_kernels_and_errors():
+    _, _, _, report = fused_pair("llama")
+    attention = fused_rows(report, "attention")[0]
+    assert attention.kernels == ["te_lab::attention", "te_lab::rope"]
+    assert set(attention.backends) == {"attention", "rope"}
+    assert attention.probe == "sample"
+    for row in report.rows:
+        assert row.output_max_abs is not None and row.output_max_abs <= TOLERANCES[torch.float32]["atol"]
+        assert row.grad_max_rel is not None and row.grad_max_rel <= 1e-4
+    text = str(report)
+    assert "model.layers.1.mlp" in text and "FusedGatedMLP" in text and "(model)" in text
+    html = report._repr_html_()
+    assert html.count("<tr>") == len(report.rows) + 1 and "FusedAttention" in html
+    restored = te_lab.FusionReport.from_dict(report.to_dict())
+    assert restored.to_json() == report.to_json()
+
+
+def test_unfuse_restores_the_original_objects():
+    model = models.llama("tiny", seed=1)
+    before = {name: id(module) for name, module in model.named_modules()}
+    parameters = [id(p) for p in model.parameters()]
+    report = te_lab.fuse(model)
+    assert len(report.fused) == 4 * LAYERS + 2
+    assert te_lab.is_fused(model)
+    result = te_lab.unfuse(model)
+    assert len(result.restored) == len(report.fused)
+    assert {name: id(module) for name, module in model.named_modules()} == before
+    assert [id(p) for p in model.parameters()] == parameters
+    assert "forward" not in model.__dict__
+    assert not te_lab.is_fused(model)
+    assert "nothing to restore" in str(te_lab.unfuse(model))
+
+
+def test_weights_learned_while_fused_survive_unfuse():
+    model = models.llama("tiny", seed=2)
+    norm = model.model.layers[0].input_layernorm
+    te_lab.fuse(model)
+    with torch.no_grad():
+        model.model.layers[0].input_layernorm.weight.mul_(3.0)
+        model.lm_head.weight.add_(1.0)
+    te_lab.unfuse(model)
+    assert model.model.layers[0].input_layernorm is norm
+    torch.testing.assert_close(norm.weight, torch.full_like(norm.weight, 3.0))
+
+
+def test_state_dict_round_trips_both_ways():
+    model, reference, batch, _ = fused_pair("llama")
+    fused_state = model.state_dict()
+    plain_state = reference.state_dict()
+    assert list(fused_state) == list(plain_state)
+    for key, value in plain_state.items():
+        assert torch.equal(fused_state[key], value), key
+    # fused checkpoint -> fresh unfused model
+    fresh = models.llama("tiny", seed=99)
+    fresh.load_state_dict(fused_state, strict=True)
+    with torch.no_grad():
+        assert_close(fresh(**batch).loss, reference(**batch).loss)
+    # unfused checkpoint -> fused model, which then computes the checkpoint's function
+    other = models.llama("tiny", seed=5)
+    model.load_state_dict(other.state_dict(), strict=True)
+    with torch.no_grad():
+        assert_close(model(**batch).loss, other(**batch).loss)
+
+
+def test_optimizer_created_before_fuse_trains_the_same_tensors():
+    model = models.llama("tiny", seed=3)
+    reference = copy.deepcopy(model)
+    batch = model.example_batch(2, 16)
+    # SGD: the update is the gradient itself, so the comparison sees the gradients'
+    # agreement directly (Adam's first step divides tiny gradients by themselves).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    te_lab.fuse(model, sample=batch)
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        opt.zero_grad()
+        net(**batch).loss.backward()
+        opt.step()
+    te_lab.unfuse(model)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p, q, rtol=1e-4, atol=1e-5), name
+
+
+def test_thirty_training_steps_fused_match_unfused():
+    model = models.llama("tiny", seed=4)
+    reference = copy.deepcopy(model)
+    te_lab.fuse(model, sample=model.example_batch(2, 32, seed=0))
+    losses = {"fused": [], "unfused": []}
+    for name, net in (("fused", model), ("unfused", reference)):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
+        for step in range(30):
+            batch = net.example_batch(4, 32, seed=step % 2)  # two batches to memorize
+            optimizer.zero_grad()
+            loss = net(**batch).loss
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    assert losses["fused"][-1] < losses["fused"][0] - 0.1  # it did learn
+    # Per-step losses agree; rounding differences compound over 30 Adam steps, so 1e-4.
+    torch.testing.assert_close(torch.tensor(losses["fused"]), torch.tensor(losses["unfused"]), rtol=1e-4, atol=1e-4)
+
+
+def test_probing_leaves_parameters_gradients_buffers_and_rng_untouched():
+    model = models.llama("tiny", seed=6)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.train()
+    torch.manual_seed(1234)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(1234)
+    te_lab.fuse(model, sample=model.example_batch(2, 16))
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert all(m.training for m in model.modules())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]) and torch.equal(p.grad, torch.full_like(p, 0.5)), name
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+
+
+def test_fuse_without_sample_synthesizes_probes():
+    model = models.gpt2("tiny", seed=7)
+    report = te_lab.fuse(model)
+    assert len(report.fused) == len(report.rows) == 4 * LAYERS + 2
+    assert {row.probe for row in report.rows} == {"synthesized"}
+    assert report.model_check is None
+
+
+def test_fusing_twice_leaves_fused_modules_alone():
+    model = models.llama("tiny", seed=8)
+    first = te_lab.fuse(model)
+    twins = {name: id(m) for name, m in model.named_modules()}
+    second = te_lab.fuse(model)
+    assert second.rows == []
+    assert len(second.already_fused) == len(first.fused)
+    assert {name: id(m) for name, m in model.named_modules()} == twins
+    assert "already fused" in str(second)
+    assert len(te_lab.unfuse(model).restored) == len(first.fused)
+
+
+def test_unfused_context_runs_the_originals_then_puts_the_twins_back():
+    model, reference, batch, _ = fused_pair("llama")
+    mlp_twin = model.model.layers[0].mlp
+    with te_lab.unfused(model):
+        assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+        assert not te_lab.is_fused(model)
+        with torch.no_grad():
+            output = model(**batch)
+        assert output.logits is not None
+        assert_close(output.loss, reference(**batch).loss)
+    assert model.model.layers[0].mlp is mlp_twin
+    assert model(**batch).logits is None
+
+
+def test_only_and_exclude_select_rules_and_paths():
+    model = models.llama("tiny", seed=9)
+    report = te_lab.fuse(model, only="rmsnorm")
+    assert {row.rule for row in report.rows} == {"rmsnorm"} and len(report.fused) == 2 * LAYERS + 1
+    te_lab.unfuse(model)
+
+    report = te_lab.fuse(model, exclude=["model.layers.0.*", "lm_head_loss"])
+    assert not any(row.path.startswith("model.layers.0.") for row in report.rows)
+    assert {row.rule for row in report.rows} == {"rmsnorm", "swiglu_mlp", "attention"}
+    te_lab.unfuse(model)
+
+    report = te_lab.fuse(model, only=["attention"], exclude="rope")
+    assert [row.kernels for row in report.fused] == [["te_lab::attention"]] * LAYERS
+    te_lab.unfuse(model)
+
+    report = te_lab.fuse(model, only="rope")
+    assert [row.kernels for row in report.fused] == [["te_lab::rope"]] * LAYERS
+    assert report.counts()["rope"] == {"fused": LAYERS}
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(only="rmsnrom"), ValueError, "neither a rule name (valid: "),
+    (dict(exclude=["rmsnorm", 3]), TypeError, "exclude entries must be strings"),
+    (dict(only=42), TypeError, "only must be a rule name"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+    (dict(auto=True, verify=False), ValueError, "auto=True"),
+    (dict(sample=object()), TypeError, "sample must be a tensor"),
+])
+def test_bad_arguments_get_clear_errors(kwargs, error, message):
+    model = models.llama("tiny", seed=10)
+    with pytest.raises(error, match=None) as raised:
+        te_lab.fuse(model, **kwargs)
+    assert message in str(raised.value)
+    assert not te_lab.is_fused(model)
+
+
+def test_fuse_and_unfuse_refuse_non_modules():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        te_lab.fuse(lambda x: x)
+    with pytest.raises(TypeError, match="got str"):
+        te_lab.unfuse("model")
+
+
+def test_sample_the_model_rejects_is_reported():
+    model = models.llama("tiny", seed=11)
+    with pytest.raises(ValueError, match="running the model on sample failed"):
+        te_lab.fuse(model, sample={"tokens": torch.zeros(1, 4, dtype=torch.long)})
+
+
+class MeanAbsNorm(nn.Module):
+    """Norm-shaped (weight [hidden], eps) but not RMSNorm nor LayerNorm: x / mean|x|."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return x / (x.abs().mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class GemmaNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-0.2, 0.2, hidden))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class ReluMLP(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, norm, mlp=None):
+        super().__init__()
+        self.norm = norm
+        self.mlp = mlp or nn.Identity()
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+def test_a_norm_with_an_unusual_formula_stays_unfused_with_the_measured_error():
+    block = Block(MeanAbsNorm(32))
+    report = te_lab.fuse(block, sample=torch.randn(2, 5, 32))
+    (row,) = report.rows
+    assert row.status == "skipped" and type(block.norm) is MeanAbsNorm
+    assert "differs from the original's by up to" in row.reason and "float32 tolerance" in row.reason
+
+
+def test_gemma_scaling_is_found_by_the_probe():
+    block = Block(GemmaNorm(32))
+    x = torch.randn(2, 5, 32)
+    expected = block(x)
+    report = te_lab.fuse(block, sample=x)
+    (row,) = report.rows
+    assert row.status == "fused" and row.variant == "scales by 1 + weight (Gemma)"
+    assert block.norm.weight_offset == 1.0
+    assert_close(block(x), expected)
+
+
+def test_an_mlp_with_an_activation_without_kernel_is_skipped_with_reason():
+    block = Block(nn.LayerNorm(16), ReluMLP(16))
+    report = te_lab.fuse(block)
+    rows = {row.path: row for row in report.rows}
+    assert rows["norm"].status == "fused"
+    assert rows["mlp"].status == "skipped" and "activation ReLU has no fused kernel" in rows["mlp"].reason
+
+
+def test_the_model_itself_cannot_be_replaced():
+    norm = nn.LayerNorm(8)
+    (row,) = te_lab.fuse(norm).rows
+    assert row.status == "skipped" and "is the model itself" in row.reason
+
+
+def test_verify_false_swaps_without_probing():
+    model = models.gpt2("tiny", seed=12)
+    report = te_lab.fuse(model, verify=False)
+    assert len(report.fused) == 4 * LAYERS + 2
+    assert {row.probe for row in report.rows} == {"none (verify=False)"}
+    assert all(row.output_max_abs is None for row in report.rows)
+
+
+def test_auto_keeps_only_measured_wins():
+    model = models.llama("tiny", seed=13)
+    report = te_lab.fuse(model, only=["rmsnorm", "swiglu_mlp"], auto=True)
+    assert len(report.rows) == 3 * LAYERS + 1
+    for row in report.rows:
+        assert row.time_original_ms > 0 and row.time_fused_ms > 0
+        assert row.speedup == pytest.approx(row.time_original_ms / row.time_fused_ms)
+        module = model.get_submodule(row.path)
+        if row.speedup > 1:
+            assert row.status == "fused" and isinstance(module, FusedModule)
+        else:
+            assert row.status == "kept-original-slower" and not isinstance(module, FusedModule)
+
+
+def test_dropout_still_applies_in_training():
+    model = models.gpt2("tiny", seed=14, dropout=0.5)
+    batch = model.example_batch(2, 16)
+    reference = copy.deepcopy(model).eval()
+    te_lab.fuse(model, sample=batch)
+    model.train()
+    first, second = model(batch["input_ids"]).logits, model(batch["input_ids"]).logits
+    assert not torch.allclose(first, second)
+    model.eval()
+    with torch.no_grad():
+        assert_close(model(batch["input_ids"]).logits, reference(batch["input_ids"]).logits)
+
+
+class Sine(nn.Module):
+    def forward(self, x):
+        return torch.sin(x)
+
+
+class FusedSine(FusedModule):
+    """A stand-in fused op for the custom-rule test: the same math through another path."""
+
+    ops = ()
+
+    def forward(self, x):
+        return torch.cos(x - torch.pi / 2)
+
+    def kernel_names(self):
+        return ["custom::sine"]
+
+
+def test_register_rule_adds_a_user_fusion_tried_first():
+    def match(module):
+        if isinstance(module, Sine):
+            return te_lab.Match([te_lab.Variant(lambda options: FusedSine(module))],
+                                lambda: te_lab.ProbeInputs((torch.randn(4, 8),)))
+        return None
+
+    rule = te_lab.FusionRule("sine", "other", "sin(x) as a shifted cos", match)
+    te_lab.register_rule(rule)
+    try:
+        assert te_lab.rules()[0] is rule
+        with pytest.raises(ValueError, match="already registered"):
+            te_lab.register_rule(rule)
+        with pytest.raises(ValueError, match="built-in"):
+            te_lab.register_rule(te_lab.FusionRule("rmsnorm", "norm", "", match))
+        block = Block(Sine())
+        report = te_lab.fuse(block)
+        (row,) = report.rows
+        assert (row.rule, row.status, row.kernels) == ("sine", "fused", ["custom::sine"])
+        assert isinstance(block.norm, FusedSine)
+    finally:
+        te_lab.unregister_rule("sine")
+    assert "sine" not in [r.name for r in te_lab.rules()]
+    with pytest.raises(ValueError, match="invalid-name|identifier"):
+        te_lab.FusionRule("not a name", "other", "", match)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        te_lab.FusionRule("fine", "weird", "", match)
