@@ -22,7 +22,8 @@ PYTEST_ARGS ?=
 # torch's CPU build; on this project's machines pip takes it from local disk. A bare
 # `torch` (or a range a newer release satisfies) would pull PyPI's multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
-TRITON32_PACKAGES := $(CPU_TORCH) triton==3.2.0 'numpy<2.4' pytest pytest-timeout
+# tqdm: te_lab.fuse's progress bar (the surgery tests run Triton kernels too).
+TRITON32_PACKAGES := $(CPU_TORCH) triton==3.2.0 'numpy<2.4' tqdm pytest pytest-timeout
 # Triton 3.2's interpreter converts arrays to scalars the way numpy >= 1.25 deprecates,
 # thousands of times per run; that warning says nothing about te_lab.
 TRITON32_PYTEST_ARGS := -m triton_interpreter -W 'ignore:Conversion of an array with ndim > 0:DeprecationWarning'

@@ -429,3 +429,39 @@ def test_register_rule_adds_a_user_fusion_tried_first():
         te_lab.FusionRule("not a name", "other", "", match)
     with pytest.raises(ValueError, match="kind must be one of"):
         te_lab.FusionRule("fine", "weird", "", match)
+
+
+def _forced_backend_params():
+    from te_lab.kernels import BACKENDS
+
+    return [pytest.param(name, id=name, marks=[pytest.mark.triton_interpreter] if name == "triton" else [])
+            for name in BACKENDS]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("backend", _forced_backend_params())
+def test_a_forced_backend_runs_every_op_that_has_it(family, backend):
+    """Every op that implements the backend runs on it (Triton kernels through the
+    interpreter on the CPU, compiled on GPUs); where the device cannot run it, the
+    module stays unfused and the report says why, naming the op and the backend."""
+    from te_lab.kernels import registered_ops
+    from te_lab.kernels.registry import unavailable_reason
+
+    from conftest import DEVICE
+
+    model = getattr(models, family)("tiny", seed=0)
+    reference = copy.deepcopy(model)
+    batch = model.example_batch(2, 16)
+    report = te_lab.fuse(model, sample=batch, backend=backend)
+    assert report.backend == backend
+    assert report.fused
+    for row in report.rows:
+        if row.status == "fused":
+            for op_name, chosen in row.backends.items():
+                if backend in registered_ops()[op_name].backends():
+                    assert chosen == backend, (row.path, op_name)
+        else:
+            assert row.status == "skipped" and f"backend {backend!r}" in row.reason and "cannot run" in row.reason
+            op = registered_ops()[{"rmsnorm": "rms_norm", "layernorm": "layer_norm"}[row.rule]]
+            assert unavailable_reason(op, backend, DEVICE) is not None
+    assert_same_training_signal(model, reference, batch)
