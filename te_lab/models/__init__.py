@@ -12,7 +12,7 @@ from torch import nn
 from .config import PRESETS, ModelConfig
 from .gpt2 import GPT2MLP, GPT2LM, GPT2Attention, GPT2Block, GPT2Body, gpt2
 from .llama import LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaLM, LlamaMLP, RMSNorm, RotaryEmbedding, llama
-from .output import LMOutput
+from .causal_lm import LMOutput
 
 _CONSTRUCTORS = {"llama": llama, "gpt2": gpt2}
 

@@ -15,15 +15,8 @@ from torch import Tensor, nn
 
 from te_lab import device as devices
 
-from .config import ModelConfig, preset_config
-from .output import LMOutput, causal_lm_loss
-
-INIT_STD = 0.02
-
-
-def causal_mask(seq: int, device: torch.device) -> Tensor:
-    """True above the diagonal: the future positions a query may not attend to."""
-    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+from .config import ModelConfig
+from .causal_lm import CausalLM, build_seeded, check_additive_mask, explicit_attention
 
 
 class GPT2Attention(nn.Module):
@@ -58,14 +51,8 @@ class GPT2Attention(nn.Module):
             t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
             for t in self.c_attn(hidden_states).split(self.hidden_size, dim=-1)
         )
-        scores = (q @ k.transpose(-2, -1)) * self.scaling
-        if attention_mask is None:
-            scores = scores.masked_fill(causal_mask(seq, scores.device), float("-inf"))
-        else:
-            scores = scores + attention_mask
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        probs = self.attn_dropout(probs)
-        out = (probs @ v).transpose(1, 2).reshape(batch, seq, self.hidden_size)
+        out = explicit_attention(q, k, v, self.scaling, attention_mask, self.attn_dropout)
+        out = out.transpose(1, 2).reshape(batch, seq, self.hidden_size)
         return self.resid_dropout(self.c_proj(out))
 
 
@@ -109,11 +96,7 @@ class GPT2Body(nn.Module):
             raise ValueError(
                 f"GPT2Body: input_ids has {seq} positions, more than max_seq_len {self.wpe.num_embeddings}"
             )
-        if attention_mask is not None and not attention_mask.is_floating_point():
-            raise ValueError(
-                f"GPT2Body: attention_mask must be an additive float mask (0 to attend, -inf not to), "
-                f"got dtype {attention_mask.dtype}"
-            )
+        check_additive_mask("GPT2Body", attention_mask)
         positions = torch.arange(seq, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.h:
@@ -121,7 +104,7 @@ class GPT2Body(nn.Module):
         return self.ln_f(x)
 
 
-class GPT2LM(nn.Module):
+class GPT2LM(CausalLM):
     base_model_prefix = "transformer"
 
     def __init__(self, config: ModelConfig):
@@ -133,32 +116,6 @@ class GPT2LM(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        # LayerNorms keep their ones and zeros.
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(
-        self, input_ids: Tensor, labels: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None
-    ) -> LMOutput:
-        logits = self.lm_head(self.transformer(input_ids, attention_mask))
-        loss = None if labels is None else causal_lm_loss(logits, labels)
-        return LMOutput(loss=loss, logits=logits)
-
-    def example_batch(self, batch: int = 2, seq: int = 16, *, seed: int = 0) -> dict[str, Tensor]:
-        """Random token ids on the model's device; a seed of its own, the global RNG untouched."""
-        generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(self.config.vocab_size, (batch, seq), generator=generator)
-        input_ids = input_ids.to(self.lm_head.weight.device)
-        return dict(input_ids=input_ids, labels=input_ids.clone())
-
-    def num_parameters(self) -> int:
-        # parameters() yields a tied weight once.
-        return sum(p.numel() for p in self.parameters())
-
 
 def gpt2(
     preset: str = "tiny",
@@ -169,14 +126,5 @@ def gpt2(
     **overrides,
 ) -> GPT2LM:
     """A randomly initialised GPT-2: ``PRESETS["gpt2"][preset]`` with ``overrides``
-    replacing config fields.
-
-    Weights are drawn on the CPU in float32 from ``seed`` alone, so a seed gives the
-    same model on every device and in every dtype, and the global RNG is left as it was.
-    """
-    config = preset_config("gpt2", preset, overrides)
-    target = devices.resolve(device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = GPT2LM(config)
-    return model.to(device=target, dtype=dtype)
+    replacing config fields (see :func:`build_seeded`)."""
+    return build_seeded(GPT2LM, "gpt2", preset, seed=seed, dtype=dtype, device=device, overrides=overrides)

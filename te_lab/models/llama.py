@@ -17,10 +17,8 @@ from torch import Tensor, nn
 
 from te_lab import device as devices
 
-from .config import ModelConfig, preset_config
-from .output import LMOutput, causal_lm_loss
-
-INIT_STD = 0.02
+from .config import ModelConfig
+from .causal_lm import CausalLM, build_seeded, check_additive_mask, explicit_attention
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +74,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
-def causal_mask(seq: int, device: torch.device) -> Tensor:
-    """True above the diagonal: the future positions a query may not attend to."""
-    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
-
-
 class LlamaAttention(nn.Module):
     """Grouped-query attention with rotary positions.
 
@@ -119,15 +112,9 @@ class LlamaAttention(nn.Module):
         # Each kv head serves a run of consecutive query heads.
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-
-        scores = (q @ k.transpose(-2, -1)) * self.scaling
-        if attention_mask is None:
-            scores = scores.masked_fill(causal_mask(seq, scores.device), float("-inf"))
-        else:
-            scores = scores + attention_mask
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        probs = F.dropout(probs, p=self.attention_dropout, training=self.training)
-        out = (probs @ v).transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        out = explicit_attention(q, k, v, self.scaling, attention_mask,
+                                 lambda probs: F.dropout(probs, p=self.attention_dropout, training=self.training))
+        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
 
@@ -170,11 +157,7 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        if attention_mask is not None and not attention_mask.is_floating_point():
-            raise ValueError(
-                f"LlamaBody: attention_mask must be an additive float mask (0 to attend, -inf not to), "
-                f"got dtype {attention_mask.dtype}"
-            )
+        check_additive_mask("LlamaBody", attention_mask)
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         position_embeddings = self.rotary_emb(position_ids)
@@ -184,7 +167,7 @@ class LlamaBody(nn.Module):
         return self.norm(hidden_states)
 
 
-class LlamaLM(nn.Module):
+class LlamaLM(CausalLM):
     base_model_prefix = "model"
 
     def __init__(self, config: ModelConfig):
@@ -196,29 +179,6 @@ class LlamaLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-
-    def forward(
-        self, input_ids: Tensor, labels: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None
-    ) -> LMOutput:
-        logits = self.lm_head(self.model(input_ids, attention_mask))
-        loss = None if labels is None else causal_lm_loss(logits, labels)
-        return LMOutput(loss=loss, logits=logits)
-
-    def example_batch(self, batch: int = 2, seq: int = 16, *, seed: int = 0) -> dict[str, Tensor]:
-        """Random token ids on the model's device; a seed of its own, the global RNG untouched."""
-        generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(self.config.vocab_size, (batch, seq), generator=generator)
-        input_ids = input_ids.to(self.lm_head.weight.device)
-        return dict(input_ids=input_ids, labels=input_ids.clone())
-
-    def num_parameters(self) -> int:
-        # parameters() yields a tied weight once.
-        return sum(p.numel() for p in self.parameters())
-
 
 def llama(
     preset: str = "tiny",
@@ -229,14 +189,5 @@ def llama(
     **overrides,
 ) -> LlamaLM:
     """A randomly initialised Llama: ``PRESETS["llama"][preset]`` with ``overrides``
-    replacing config fields.
-
-    Weights are drawn on the CPU in float32 from ``seed`` alone, so a seed gives the
-    same model on every device and in every dtype, and the global RNG is left as it was.
-    """
-    config = preset_config("llama", preset, overrides)
-    target = devices.resolve(device)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaLM(config)
-    return model.to(device=target, dtype=dtype)
+    replacing config fields (see :func:`build_seeded`)."""
+    return build_seeded(LlamaLM, "llama", preset, seed=seed, dtype=dtype, device=device, overrides=overrides)

@@ -12,6 +12,8 @@ with them is checked by the probe.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 

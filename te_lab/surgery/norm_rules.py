@@ -45,13 +45,17 @@ def _hidden_input(module: nn.Module, hidden: int):
     return lambda: ProbeInputs((random_tensor(PROBE_SHAPE + (hidden,), module),))
 
 
+def _torch_norm(module: nn.Module, twin: type) -> MatchResult:
+    """``nn.RMSNorm`` / ``nn.LayerNorm``: one formula, known; the last dim only."""
+    hidden = _single_dim(module)
+    if hidden is None:
+        return Skip(f"normalizes over {tuple(module.normalized_shape)}; the fused op normalizes the last dim only")
+    return Match([Variant(lambda o: twin(module, eps=module.eps, backend=o.backend))], _hidden_input(module, hidden))
+
+
 def match_rmsnorm(module: nn.Module) -> MatchResult:
     if isinstance(module, nn.RMSNorm):
-        hidden = _single_dim(module)
-        if hidden is None:
-            return Skip(f"normalizes over {tuple(module.normalized_shape)}; the fused op normalizes the last dim only")
-        return Match([Variant(lambda o: FusedRMSNorm(module, eps=module.eps, backend=o.backend))],
-                     _hidden_input(module, hidden))
+        return _torch_norm(module, FusedRMSNorm)
     found = _norm_like(module)
     if found is None or found[1]:
         return None
@@ -65,11 +69,7 @@ def match_rmsnorm(module: nn.Module) -> MatchResult:
 
 def match_layernorm(module: nn.Module) -> MatchResult:
     if isinstance(module, nn.LayerNorm):
-        hidden = _single_dim(module)
-        if hidden is None:
-            return Skip(f"normalizes over {tuple(module.normalized_shape)}; the fused op normalizes the last dim only")
-        return Match([Variant(lambda o: FusedLayerNorm(module, eps=module.eps, backend=o.backend))],
-                     _hidden_input(module, hidden))
+        return _torch_norm(module, FusedLayerNorm)
     found = _norm_like(module)
     if found is None:
         return None
