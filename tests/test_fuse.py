@@ -465,3 +465,69 @@ def test_a_forced_backend_runs_every_op_that_has_it(family, backend):
             op = registered_ops()[{"rmsnorm": "rms_norm", "layernorm": "layer_norm"}[row.rule]]
             assert unavailable_reason(op, backend, DEVICE) is not None
     assert_same_training_signal(model, reference, batch)
+
+
+class MergedGateUpMLP(nn.Module):
+    """Phi-3's layout: one projection gives [gate | up]; the activation is a plain function."""
+
+    def __init__(self, hidden, width):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.activation_fn = torch.nn.functional.silu
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class UpFirstMLP(nn.Module):
+    """Three projections registered up, down, gate: the probe must find which is which."""
+
+    def __init__(self, hidden, width):
+        super().__init__()
+        self.w_a = nn.Linear(hidden, width, bias=False)
+        self.w_out = nn.Linear(width, hidden, bias=False)
+        self.w_b = nn.Linear(hidden, width, bias=False)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.w_out(self.w_a(x) * self.act(self.w_b(x)))
+
+
+class BiasFreeLayerNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, hidden))
+        self.epsilon = 1e-5
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, None, self.epsilon)
+
+
+@pytest.mark.parametrize("mlp, twin_note", [
+    (MergedGateUpMLP(16, 24), "gate=gate_up_proj, up=(merged), down=down_proj"),
+    (UpFirstMLP(16, 24), "gate=w_b, up=w_a, down=w_out"),
+])
+def test_gated_mlp_layouts_are_found_by_shape_and_probe(mlp, twin_note):
+    block = Block(nn.Identity(), mlp)
+    x = torch.randn(2, 5, 16)
+    expected = block(x)
+    (row,) = te_lab.fuse(block, sample=x).rows
+    assert (row.rule, row.status, row.variant) == ("swiglu_mlp", "fused", twin_note)
+    assert_close(block(x), expected)
+
+
+def test_a_bias_free_layernorm_like_module_is_fused_as_layernorm():
+    block = Block(BiasFreeLayerNorm(32))
+    x = torch.randn(2, 5, 32)
+    expected = block(x)
+    (row,) = te_lab.fuse(block, sample=x).rows
+    assert (row.rule, row.status, row.fused_type) == ("layernorm", "fused", "FusedLayerNorm")
+    assert_close(block(x), expected)
+
+
+def test_fuse_inside_inference_mode_is_refused():
+    model = models.llama("tiny", seed=15)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        te_lab.fuse(model)
