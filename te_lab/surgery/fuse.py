@@ -30,7 +30,7 @@ from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 
 from . import report as reports
 from .inspection import tensor_like
-from .probe import (Difference, ProbeResult, call_with, capture_inputs, compare, named_parameters_for_probe,
+from .probe import (Difference, ProbeResult, call_with, capture_inputs, compare, trainable_parameters,
                     output_tensors, probe, quiet_state, sample_as_inputs)
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .timing import median_times_ms
@@ -264,7 +264,7 @@ class _Fuser:
             if self.auto:
                 with quiet_state(_modules_of(module, twin), self.device):
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
-                        original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
+                        original, twin, inputs, trainable_parameters(module), match.constant_inputs,
                         match.probe_outputs or output_tensors, self.device)
                 row.speedup = row.time_original_ms / row.time_fused_ms if row.time_fused_ms > 0 else None
                 if row.time_fused_ms >= row.time_original_ms:
@@ -282,7 +282,7 @@ class _Fuser:
     def _probe(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
             with quiet_state(_modules_of(module, twin), self.device):
-                return probe(original, twin, inputs, named_parameters_for_probe(module), match.constant_inputs,
+                return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
                              match.probe_outputs)
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,

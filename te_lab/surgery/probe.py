@@ -218,7 +218,7 @@ def prepare(original: Callable, inputs: ProbeInputs, constant: frozenset) -> tup
 
 
 def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[tuple[str, Tensor]],
-                     parameters: list[nn.Parameter], select: Callable[[Any], list[Tensor]]):
+                     parameters: list[tuple[str, nn.Parameter]], select: Callable[[Any], list[Tensor]]):
     """Outputs of ``fn``, and gradients of a fixed random linear function of them w.r.t.
     the differentiable inputs and ``parameters`` (``None`` where unused)."""
     with torch.enable_grad():
@@ -228,12 +228,12 @@ def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[t
             return outputs, []
         generator = torch.Generator(device="cpu").manual_seed(UPSTREAM_SEED)
         total = sum((t.float() * torch.randn(t.shape, generator=generator).to(t.device)).sum() for t in targets)
-        leaves = [tensor for _, tensor in differentiable] + list(parameters)
+        leaves = [tensor for _, tensor in differentiable + parameters]
         grads = torch.autograd.grad(total, leaves, allow_unused=True)
     return outputs, list(grads)
 
 
-def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[nn.Parameter],
+def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[tuple[str, nn.Parameter]],
           constant: frozenset, select: Optional[Callable[[Any], list[Tensor]]] = None) -> ProbeResult:
     """Compare ``fused`` against ``original`` on ``inputs`` (see the module doc; the
     caller holds :func:`quiet_state`)."""
@@ -247,9 +247,7 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
                            f"returns {len(actual)} tensor(s) where the original returns {len(expected)}")
     outputs = [compare(f"output {i}" if len(expected) > 1 else "output", a, e)
                for i, (a, e) in enumerate(zip(actual, expected))]
-    grad_names = [f"grad of input {name}" for name, _ in names] + [f"grad of parameter {i}" for i in range(len(parameters))]
-    param_names = _parameter_names(parameters)
-    grad_names[len(names):] = [f"grad of {name}" for name in param_names]
+    grad_names = [f"grad of input {name}" for name, _ in names] + [f"grad of {name}" for name, _ in parameters]
     grads = [compare(name, a, e) for name, a, e in zip(grad_names, actual_grads, expected_grads)]
     failures = [d for d in outputs + grads if not d.within_tolerance]
     worst_out = max(outputs, key=lambda d: d.max_abs, default=Difference("output", 0.0, 0.0, True))
@@ -270,18 +268,6 @@ def _dtype_of(actual: list[Tensor], expected: list[Tensor]) -> str:
     return str(tensors[0].dtype).replace("torch.", "") if tensors else "dtype's"
 
 
-_PARAMETER_NAMES: dict[int, str] = {}
-
-
-def _parameter_names(parameters: list[nn.Parameter]) -> list[str]:
-    return [_PARAMETER_NAMES.get(id(p), f"parameter {i}") for i, p in enumerate(parameters)]
-
-
-def named_parameters_for_probe(module: nn.Module) -> list[nn.Parameter]:
-    """The module's trainable parameters, remembering their names for error messages."""
-    parameters = []
-    for name, parameter in module.named_parameters():
-        if parameter.requires_grad:
-            _PARAMETER_NAMES[id(parameter)] = name
-            parameters.append(parameter)
-    return parameters
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's parameters that take gradients, by name (for the probe's messages)."""
+    return [(name, parameter) for name, parameter in module.named_parameters() if parameter.requires_grad]

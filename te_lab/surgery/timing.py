@@ -22,8 +22,8 @@ WARMUP_ROUNDS = 2
 TIMED_ROUNDS = 7
 
 
-def median_times_ms(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[nn.Parameter],
-                    constant: frozenset, select: Callable[[Any], list[Tensor]],
+def median_times_ms(original: Callable, fused: Callable, inputs: ProbeInputs,
+                    parameters: list[tuple[str, nn.Parameter]], constant: frozenset, select: Callable[[Any], list[Tensor]],
                     device: torch.device) -> tuple[float, float]:
     """(original, fused) median forward + backward time in milliseconds."""
     contenders = {"original": original, "fused": fused}
