@@ -531,3 +531,20 @@ def test_fuse_inside_inference_mode_is_refused():
     model = models.llama("tiny", seed=15)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         te_lab.fuse(model)
+
+
+def test_a_fused_model_deep_copies_and_pickles_whole():
+    import io
+
+    model, reference, batch, _ = fused_pair("llama")
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for twin in (copied, loaded):
+        with torch.no_grad():
+            assert_close(twin(**batch).loss, reference(**batch).loss)
+        assert len(te_lab.unfuse(twin).restored) == 4 * LAYERS + 2
+        assert type(twin.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert te_lab.is_fused(model)  # the copies' unfuse did not touch the original

@@ -109,7 +109,11 @@ class FusedAttention(_FusedSelfAttention):
         super().__init__(original, **options)
         self.q_name, self.k_name, self.v_name, self.o_name = projections
         self.fused_rope = fused_rope
-        self.ops = tuple(op for op, fused in ((ATTENTION, self.fused_attention), (ROPE, fused_rope)) if fused)
+
+    @property
+    def ops(self):
+        # A property, not an attribute: fused ops hold functions, and a fused model pickles.
+        return tuple(op for op, fused in ((ATTENTION, self.fused_attention), (ROPE, self.fused_rope)) if fused)
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
@@ -133,7 +137,10 @@ class FusedQKVAttention(_FusedSelfAttention):
     def __init__(self, original: nn.Module, *, qkv: str, out: str, resid_dropout: Optional[str] = None, **options):
         super().__init__(original, **options)
         self.qkv_name, self.out_name, self.resid_dropout_name = qkv, out, resid_dropout
-        self.ops = (ATTENTION,) if self.fused_attention else ()
+
+    @property
+    def ops(self):
+        return (ATTENTION,) if self.fused_attention else ()
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
