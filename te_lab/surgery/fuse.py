@@ -225,7 +225,7 @@ class _Fuser:
             if row is not None:
                 return row
         return reports.FusionRow(candidate.path, type(candidate.module).__name__, first_rule.name, first_rule.kind,
-                                 reports.SKIPPED, reason="; ".join(dict.fromkeys(reasons)) or "no rule applied")
+                                 reports.SKIPPED, reason=_first_miss(reasons))
 
     def _inputs(self, candidate: Candidate, match: Match) -> tuple[ProbeInputs, str]:
         captured = self.captured.get(candidate.path)
@@ -236,8 +236,8 @@ class _Fuser:
     def _try_match(self, candidate: Candidate, rule: FusionRule, match: Match, reasons: list):
         module = candidate.module
         if candidate.path == "" and not match.replaces_forward:
-            reasons.append(f"is the model itself (rule {rule.name}); fuse swaps modules inside the model it is given, "
-                           f"so pass its parent")
+            reasons.append(f"is the model itself (rule {rule.name}); fuse swaps modules inside the model it is "
+                           f"given, so pass its parent")
             return None
         inputs, source = (None, "none (verify=False)") if not self.verify else self._inputs(candidate, match)
         for variant in match.variants:
@@ -287,6 +287,16 @@ class _Fuser:
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,
                                f"probe raised {type(error).__name__}: {error}")
+
+
+def _first_miss(reasons: list[str]) -> str:
+    """Why the most plausible fused form did not fit (rules and their variants are tried
+    most plausible first: RMSNorm before Gemma's RMSNorm before LayerNorm); the others
+    are counted, since their misses say little about the module."""
+    if not reasons:
+        return "no rule applied"
+    others = len(reasons) - 1
+    return reasons[0] + (f" (and {others} other fused form(s) did not fit)" if others else "")
 
 
 def _modules_of(module: nn.Module, twin: Any) -> list[nn.Module]:
@@ -379,7 +389,7 @@ def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: tor
     for name, actual, expected in pairs:
         if actual is None or expected is None:
             continue
-        difference: Difference = compare(name, actual, expected)
+        difference: Difference = compare(name, actual, expected, normwise=True)
         check.compared.append(dict(name=name, max_abs=difference.max_abs, max_rel=difference.max_rel,
                                    within_tolerance=difference.within_tolerance))
     return check
