@@ -93,7 +93,9 @@ class PairedTimings:
         return q1, q2, q3
 
 
-def _call(contender: Contender, device: torch.device, timed: bool):
+def _call(contender: Contender, device: torch.device, timed: bool, keep: bool = False):
+    """(elapsed ms or None, the step's output if ``keep``). Outputs not kept are dropped
+    at once, so no call runs while the previous call's logits are still alive."""
     with contender.context():
         if not timed:
             contender.step()
@@ -103,7 +105,7 @@ def _call(contender: Contender, device: torch.device, timed: bool):
         with devices.Timer(device) as timer:
             output = contender.step()
         contender.after()
-    return timer.elapsed_ms, output
+    return timer.elapsed_ms, (output if keep else None)
 
 
 def interleave_pairs(contenders: list[Contender], device: torch.device, *, rounds: int, warmup: int,
@@ -113,7 +115,7 @@ def interleave_pairs(contenders: list[Contender], device: torch.device, *, round
     timings, first_outputs = {}, {}
     for contender in contenders:
         progress(f"first call: {contender.name}")
-        elapsed, first_outputs[contender.name] = _call(contender, device, timed=True)
+        elapsed, first_outputs[contender.name] = _call(contender, device, timed=True, keep=True)
         timings[contender.name] = Timing(contender.name, elapsed)
         for _ in range(warmup):
             _call(contender, device, timed=False)

@@ -5,44 +5,59 @@ its ``torch.library`` custom ops (``te_lab::<op>`` and ``te_lab::<op>_backward``
 the names torch.profiler shows). Importing this package registers them.
 """
 
-from .adamw import FusedAdamW, adamw_reference_step
-from .attention import attention, attention_reference
-from .bias_act import bias_act, bias_act_reference, linear_act, linear_act_reference
-from .cross_entropy import cross_entropy, cross_entropy_reference
-from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
-from .glu import geglu, glu, glu_reference, swiglu
-from .layer_norm import layer_norm, layer_norm_reference
-from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
-from .rms_norm import rms_norm, rms_norm_reference
-from .rope import apply_rotary, apply_rotary_reference
 
-__all__ = [
-    "BACKENDS",
-    "FusedAdamW",
-    "FusedOp",
-    "adamw_reference_step",
-    "apply_rotary",
-    "apply_rotary_reference",
-    "attention",
-    "attention_reference",
-    "available_backends",
-    "bias_act",
-    "bias_act_reference",
-    "cross_entropy",
-    "cross_entropy_reference",
-    "fused_linear_cross_entropy",
-    "fused_linear_cross_entropy_reference",
-    "geglu",
-    "glu",
-    "glu_reference",
-    "layer_norm",
-    "layer_norm_reference",
-    "linear_act",
-    "linear_act_reference",
-    "registered_ops",
-    "rms_norm",
-    "rms_norm_reference",
-    "select_backend",
-    "swiglu",
-    "use_backend",
-]
+import sys
+import types
+
+if __name__ != "te_lab.kernels":
+    # This folder was imported as a top-level "kernels": a source checkout's root is on
+    # sys.path (`python -m pytest`, a shell or notebook started there). transformers
+    # probes for the Hugging Face Hub package of that name by importing it; running this
+    # package a second time would re-register te_lab's custom ops and destroy the live
+    # registrations. Stand aside: an empty module without __file__ or __version__,
+    # which transformers reads as "not installed".
+    stand_in = types.ModuleType(__name__, "not te_lab.kernels: import te_lab.kernels instead")
+    stand_in.__spec__ = __spec__  # importlib.util.find_spec needs one
+    sys.modules[__name__] = stand_in
+else:
+    from .adamw import FusedAdamW, adamw_reference_step
+    from .attention import attention, attention_reference
+    from .bias_act import bias_act, bias_act_reference, linear_act, linear_act_reference
+    from .cross_entropy import cross_entropy, cross_entropy_reference
+    from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
+    from .glu import geglu, glu, glu_reference, swiglu
+    from .layer_norm import layer_norm, layer_norm_reference
+    from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
+    from .rms_norm import rms_norm, rms_norm_reference
+    from .rope import apply_rotary, apply_rotary_reference
+
+    __all__ = [
+        "BACKENDS",
+        "FusedAdamW",
+        "FusedOp",
+        "adamw_reference_step",
+        "apply_rotary",
+        "apply_rotary_reference",
+        "attention",
+        "attention_reference",
+        "available_backends",
+        "bias_act",
+        "bias_act_reference",
+        "cross_entropy",
+        "cross_entropy_reference",
+        "fused_linear_cross_entropy",
+        "fused_linear_cross_entropy_reference",
+        "geglu",
+        "glu",
+        "glu_reference",
+        "layer_norm",
+        "layer_norm_reference",
+        "linear_act",
+        "linear_act_reference",
+        "registered_ops",
+        "rms_norm",
+        "rms_norm_reference",
+        "select_backend",
+        "swiglu",
+        "use_backend",
+    ]

@@ -34,6 +34,13 @@ def _returns_tuple(module: nn.Module, inputs: ProbeInputs) -> bool:
         return isinstance(call_with(module, inputs), tuple)
 
 
+def _attention_output(output) -> list:
+    """What a probe compares: the attention output. Hugging Face modules return
+    ``(output, weights)``; decoder layers discard the weights, which a fused attention
+    never forms (it returns ``None`` in their place)."""
+    return [output[0] if isinstance(output, tuple) else output]
+
+
 def _common_options(module: nn.Module, head_dim: int, num_heads: int, num_kv_heads: int, scaling: float,
                     example: ProbeInputs) -> dict:
     dropout = module._modules.get("attn_dropout")
@@ -79,7 +86,7 @@ def match_separate_projections(module: nn.Module) -> MatchResult:
             **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
             fused_attention="attention" in options.enabled_rules, backend=options.backend)
 
-    return Match([Variant(build)], example)
+    return Match([Variant(build)], example, probe_outputs=_attention_output)
 
 
 def match_qkv_projection(module: nn.Module) -> MatchResult:
@@ -111,7 +118,7 @@ def match_qkv_projection(module: nn.Module) -> MatchResult:
             **_common_options(module, head_dim, heads, heads, scaling, example(1, 4)),
             fused_attention="attention" in options.enabled_rules, backend=options.backend)
 
-    return Match([Variant(build)], example)
+    return Match([Variant(build)], example, probe_outputs=_attention_output)
 
 
 def match_attention(module: nn.Module) -> MatchResult:
