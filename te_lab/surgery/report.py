@@ -51,7 +51,8 @@ class FusionRow:
 
 @dataclass
 class ModelCheck:
-    """The whole model on the user's sample, before vs after fusing (forward, eval mode)."""
+    """The whole model on the user's sample, before vs after fusing (forward, eval mode),
+    each output compared against its scale (see :func:`te_lab.surgery.probe.compare`)."""
 
     compared: list = field(default_factory=list)  # dicts: name, max_abs, max_rel, within_tolerance
     loss_before: Optional[float] = None
