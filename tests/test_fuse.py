@@ -548,3 +548,12 @@ def test_a_fused_model_deep_copies_and_pickles_whole():
         assert len(te_lab.unfuse(twin).restored) == 4 * LAYERS + 2
         assert type(twin.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert te_lab.is_fused(model)  # the copies' unfuse did not touch the original
+
+
+def test_progress_bar_shows_while_probing(capsys):
+    model = models.llama("tiny", seed=16)
+    te_lab.fuse(model, progress=True)
+    assert "te_lab.fuse: probing" in capsys.readouterr().err
+    te_lab.unfuse(model)
+    te_lab.fuse(model, progress=False)
+    assert "te_lab.fuse: probing" not in capsys.readouterr().err
