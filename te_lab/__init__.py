@@ -5,6 +5,7 @@ fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
 from te_lab import device, kernels, models, modules
+from te_lab.profiler import ProfileReport, profile
 from te_lab.kernels import use_backend
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
                             fuse, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
@@ -17,6 +18,7 @@ __all__ = [
     "FusionRule",
     "Match",
     "ProbeInputs",
+    "ProfileReport",
     "Skip",
     "UnfuseResult",
     "Variant",
@@ -27,6 +29,7 @@ __all__ = [
     "kernels",
     "models",
     "modules",
+    "profile",
     "register_rule",
     "rules",
     "unfuse",

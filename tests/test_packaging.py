@@ -155,6 +155,10 @@ def test_wheel_installs_kernels_and_extensions_inside_te_lab_only(tmp_path):
     for expected in ("te_lab/__init__.py", "te_lab/device.py", "te_lab/kernels/__init__.py",
                      "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py"):
         assert expected in names
+    # every module of the te_lab/ source tree ships (a subpackage missing from
+    # pyproject's package list would silently drop out of the wheel)
+    sources = sorted(str(path.relative_to(REPO)) for path in (REPO / "te_lab").rglob("*.py"))
+    assert [source for source in sources if source not in names] == []
 
     # the unpacked wheel, ahead of the editable install on sys.path, imports on its own
     found = json.loads(run_python(IMPORT_CHECK, cwd=tmp_path, pythonpath=tmp_path / "installed"))

@@ -5,7 +5,7 @@ Importing this package registers the built-in rules, in the order they are tried
 """
 
 from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401  (registration, in order)
-from .fuse import UnfuseResult, fuse, is_fused, unfuse, unfused
+from .fuse import Fusion, UnfuseResult, fuse, fusions, is_fused, unfuse, unfused
 from .report import FusionReport, FusionRow, ModelCheck
 from .rules import (BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules,
                     unregister_rule)
@@ -14,6 +14,7 @@ __all__ = [
     "BuildOptions",
     "FusionReport",
     "FusionRow",
+    "Fusion",
     "FusionRule",
     "Match",
     "ModelCheck",
@@ -22,6 +23,7 @@ __all__ = [
     "UnfuseResult",
     "Variant",
     "fuse",
+    "fusions",
     "is_fused",
     "register_rule",
     "rules",

@@ -89,6 +89,26 @@ def is_fused(model: nn.Module) -> bool:
     return bool(_swaps(model))
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """An installed fusion, as tools (the profiler) see it."""
+
+    path: str
+    rule: str
+    kind: str
+    twin: Any
+
+    @property
+    def replaces_forward(self) -> bool:
+        return isinstance(self.twin, FusedLMHeadLoss)
+
+
+def fusions(model: nn.Module) -> list[Fusion]:
+    """The fusions installed in ``model`` (oldest first)."""
+    kinds = {rule.name: rule.kind for rule in rules()}
+    return [Fusion(swap.path, swap.rule, kinds.get(swap.rule, "other"), swap.twin) for swap in _swaps(model)]
+
+
 # ---- selection: only= / exclude= ------------------------------------------------------
 
 

@@ -1,0 +1,169 @@
+"""From one profiled step to per-key figures: time forward and backward, launches,
+bytes moved and FLOPs, and the timeline.
+
+- Forward work belongs to the innermost labelled module region around it
+  (:mod:`te_lab.profiler.regions`).
+- Backward work belongs to the module whose forward created it: autograd runs each
+  node inside ``autograd::engine::evaluate_function: <Node>``, and that event carries the
+  sequence number of the forward op that made the node.
+- The loss (eager cross-entropy ops, or te_lab's fused linear cross-entropy) belongs to
+  ``loss_key`` wherever it runs outside a region.
+- *Launches* are the ops the framework dispatches: on the CPU, every op not nested in
+  another op; on GPUs, the device kernels under them.
+- Bytes and FLOPs sum :func:`te_lab.profiler.estimates.op_cost` over the ops that do
+  the work: te_lab's ops as a whole, and aten ops with no ops inside them, except views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch.autograd import DeviceType
+
+from .estimates import op_cost
+from .regions import PREFIX
+from .report import Region, TimelineEvent
+
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+OP_NAMESPACES = ("aten::", "te_lab::")
+LOSS_OPS = frozenset({
+    "te_lab::fused_linear_cross_entropy", "te_lab::cross_entropy", "aten::cross_entropy_loss",
+    "aten::log_softmax", "aten::_log_softmax", "aten::nll_loss", "aten::nll_loss_nd", "aten::nll_loss_forward",
+})
+# Ops that move no data: views, metadata, allocation.
+VIEW_OPS = frozenset({
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose",
+    "aten::permute", "aten::expand", "aten::as_strided", "aten::unsqueeze", "aten::squeeze", "aten::slice",
+    "aten::select", "aten::split", "aten::split_with_sizes", "aten::chunk", "aten::unbind", "aten::detach",
+    "aten::alias", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::lift_fresh", "aten::result_type", "aten::narrow", "aten::numpy_T",
+})
+
+
+def _is_op(event) -> bool:
+    return event.name.startswith(OP_NAMESPACES)
+
+
+@dataclass
+class StepTrace:
+    """One mode's profiled step, attributed."""
+
+    regions: dict = field(default_factory=dict)  # key -> Region
+    timeline: list = field(default_factory=list)
+    launches: int = 0
+    attributed_us: float = 0.0
+    op_us: float = 0.0  # all top-level op time
+    span_us: float = 0.0
+    peak_memory_bytes: Optional[int] = None
+    device_busy_us: Optional[float] = None
+
+
+def _ancestors(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def _kernels_under(event) -> int:
+    return len(getattr(event, "kernels", []) or []) + sum(_kernels_under(child) for child in event.cpu_children)
+
+
+def _cost_events(event):
+    """The ops under (and including) a top-level op that do its work."""
+    if event.name.startswith("te_lab::"):
+        yield event
+        return
+    children = [child for child in event.cpu_children if _is_op(child)]
+    if not children:
+        if event.name not in VIEW_OPS:
+            yield event
+        return
+    for child in children:
+        yield from _cost_events(child)
+
+
+def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> StepTrace:
+    events = [e for e in profiler.events() if e.device_type == DeviceType.CPU]
+    kineto = {e.correlation_id(): e for e in profiler.profiler.kineto_results.events()}
+    trace = StepTrace()
+
+    def region_of(event) -> Optional[str]:
+        for ancestor in _ancestors(event):
+            if ancestor.name.startswith(PREFIX):
+                return ancestor.name[len(PREFIX):]
+        return None
+
+    # Forward ops that made autograd nodes, by sequence number.
+    forward_key: dict[int, Optional[str]] = {}
+    for event in events:
+        if _is_op(event) and event.sequence_nr >= 0 and not any(
+                a.name.startswith(BACKWARD_PREFIX) for a in _ancestors(event)):
+            key = region_of(event)
+            if key is None and event.name in LOSS_OPS:
+                key = loss_key
+            forward_key.setdefault(event.sequence_nr, key)
+
+    def key_and_phase(event) -> tuple[Optional[str], str]:
+        for ancestor in _ancestors(event):
+            if ancestor.name.startswith(BACKWARD_PREFIX):
+                return forward_key.get(ancestor.sequence_nr), "backward"
+            if ancestor.name.startswith(PREFIX):
+                return ancestor.name[len(PREFIX):], "forward"
+        return (loss_key if event.name in LOSS_OPS else None), "forward"
+
+    top_level = [e for e in events if _is_op(e) and not any(_is_op(a) for a in _ancestors(e))]
+    if not top_level:
+        return trace
+    start = min(e.time_range.start for e in top_level)
+    trace.span_us = max(e.time_range.end for e in top_level) - start
+    for event in top_level:
+        key, phase = key_and_phase(event)
+        launches = _kernels_under(event) if on_gpu else 1
+        trace.launches += launches
+        trace.op_us += event.time_range.elapsed_us()
+        trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start,
+                                            event.time_range.elapsed_us(), f"thread {event.thread}", key or "", phase))
+        if key is None:
+            continue
+        region = trace.regions.setdefault(key, Region())
+        region.launches += launches
+        duration_ms = event.time_range.elapsed_us() / 1e3
+        if phase == "forward":
+            region.forward_ms += duration_ms
+        else:
+            region.backward_ms += duration_ms
+        trace.attributed_us += event.time_range.elapsed_us()
+        for worker in _cost_events(event):
+            recorded = kineto.get(worker.id)
+            if recorded is None:
+                continue
+            cost = op_cost(worker.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
+            region.bytes_moved += cost.bytes_moved
+            region.flops += cost.flops
+    trace.peak_memory_bytes = _peak_live_bytes(profiler)
+    if on_gpu:
+        trace.device_busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in profiler.events()
+                                          if e.device_type != DeviceType.CPU])
+    return trace
+
+
+def _peak_live_bytes(profiler) -> int:
+    """Peak of allocations minus frees over the step, from the profiler's memory records."""
+    live = peak = 0
+    for event in profiler.profiler.kineto_results.events():
+        if event.name() == "[memory]":
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total

@@ -1,0 +1,359 @@
+"""te_lab.profile: run a target eager and fused, interleaved, and report the difference.
+
+Targets:
+- a fused model: "eager" runs it inside ``te_lab.unfused(model)``, "fused" as it is;
+- a callable: "eager" runs it with every te_lab op on its reference (unfused) math
+  (``te_lab.use_backend("reference")``), "fused" with the automatic backends;
+- a pair ``(baseline, candidate)``: "eager" is the baseline, "fused" the candidate.
+
+A step is the forward on ``inputs`` and, with ``backward=True``, the gradients of its
+loss (the output's ``loss``, else the sum of its tensors) w.r.t. every parameter and
+floating-point input, through ``torch.autograd.grad`` so no ``.grad`` is written.
+Timed steps run without the profiler (warm-up first, modes alternating which goes
+first each round); then one profiled step per mode gives the attribution, launches,
+bytes, timeline and memory. The RNG state, parameters and gradients are left as found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from te_lab import device as devices
+from te_lab.kernels import use_backend
+from te_lab.surgery import fusions, is_fused, unfused
+from te_lab.surgery.probe import output_tensors, sample_as_inputs
+from te_lab.surgery.rules import ProbeInputs
+
+from . import regions
+from .attribution import attribute
+from .estimates import BYTES_FORMULA
+from .report import (Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region, RooflinePoint,
+                     Totals)
+from .sampler import UtilizationSampler
+
+LOSS_KEY = "(model) lm_head + loss"
+TARGET_KEY = "(target)"  # the region of a callable target
+# Profiled steps per mode: the profiler's own hiccups (a few ms on a busy CPU) hit single
+# ops at random, so each region's times are medians over these steps.
+PROFILED_STEPS = 3
+OTHER_KEY = "(other)"
+
+FORMULAS = {
+    "step_ms": "median over timed steps of the step's wall time (device timer), profiler off",
+    "spread_ms": "half the interquartile range of the step times",
+    "speedup": "eager step median / fused step median",
+    "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
+    "bytes_moved": BYTES_FORMULA,
+    "region_time": "sum of the durations of the region's top-level ops in the profiled step (forward: ops "
+                   "under the module's forward; backward: autograd nodes created by those ops)",
+    "other": "profiled step's op time not attributed to a module (embeddings, residual adds, glue)",
+    "fused_share": "fused step: time of regions holding fused ops / all op time",
+    "achieved_gbs": "bytes moved / region time",
+    "achieved_gflops": "FLOPs / region time",
+    "arithmetic_intensity": "FLOPs / bytes moved",
+}
+
+
+@dataclass
+class _Mode:
+    name: str
+    run: Callable[[], Any]
+    context: Callable[[], ContextManager]
+    leaves: list
+    labels: Callable[[], dict]  # key -> module to label, resolved inside the context
+
+
+def _floating_leaves(inputs) -> tuple[Any, list]:
+    """Copies of the inputs whose floating-point tensors require grad, and those tensors."""
+    leaves = []
+
+    def prepare(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            copy = value.detach().clone().requires_grad_(True)
+            leaves.append(copy)
+            return copy
+        if isinstance(value, (tuple, list)):
+            return type(value)(prepare(v) for v in value)
+        if isinstance(value, dict):
+            return {k: prepare(v) for k, v in value.items()}
+        return value
+
+    return prepare(inputs), leaves
+
+
+def _caller(fn: Callable, inputs, region: Optional[str] = None) -> Callable[[], Any]:
+    """``fn`` on ``inputs``; with ``region``, inside that labelled region."""
+    probe_inputs = sample_as_inputs(inputs) if inputs is not None else ProbeInputs()
+    if region is None:
+        return lambda: fn(*probe_inputs.args, **probe_inputs.kwargs)
+
+    def run():
+        with record_function(regions.PREFIX + region):
+            return fn(*probe_inputs.args, **probe_inputs.kwargs)
+    return run
+
+
+def _model_labels(model: nn.Module) -> Callable[[], dict]:
+    """Key -> module path of every fusion (the LM head's key labels the head module,
+    which only the eager forward calls); resolved inside each mode's context, where
+    the path holds the twin or the original."""
+    paths = {LOSS_KEY if f.replaces_forward else f.path: (f.twin.head_name if f.replaces_forward else f.path)
+             for f in fusions(model)}
+    return lambda: {key: model.get_submodule(path) for key, path in paths.items()}
+
+
+def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
+    """The two modes, a description of the target, and key -> (kind, module type)."""
+    if isinstance(target, nn.Module):
+        if not is_fused(target):
+            raise ValueError("te_lab.profile: target is a model with no te_lab fusions; fuse it first "
+                             "(te_lab.fuse) or pass a (baseline, candidate) pair of callables")
+        prepared, input_leaves = _floating_leaves(inputs)
+        leaves = [p for p in target.parameters() if p.requires_grad] + input_leaves
+        run = _caller(target, prepared)
+        model_fusions = fusions(target)
+        key_info = {}
+        with unfused(target):
+            originals = {f.path: type(target.get_submodule(f.path)).__name__ for f in model_fusions}
+        for fusion in model_fusions:
+            key = LOSS_KEY if fusion.replaces_forward else fusion.path
+            key_info[key] = (fusion.kind, originals[fusion.path])
+        labels = _model_labels(target)
+        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels),
+                 _Mode("fused", run, contextlib.nullcontext, leaves, labels)]
+        return modes, type(target).__name__, key_info
+    if isinstance(target, tuple) and len(target) == 2 and all(callable(t) for t in target):
+        prepared, leaves = _floating_leaves(inputs)
+        baseline, candidate = target
+        names = (getattr(baseline, "__name__", "baseline"), getattr(candidate, "__name__", "candidate"))
+        return ([_Mode("eager", _caller(baseline, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict),
+                 _Mode("fused", _caller(candidate, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict)],
+                f"{names[0]} vs {names[1]}", {TARGET_KEY: ("other", " vs ".join(names))})
+    if callable(target):
+        prepared, leaves = _floating_leaves(inputs)
+        run = _caller(target, prepared, TARGET_KEY)
+        name = getattr(target, "__name__", type(target).__name__)
+        return ([_Mode("eager", run, lambda: use_backend("reference"), leaves, dict),
+                 _Mode("fused", run, contextlib.nullcontext, leaves, dict)], name, {TARGET_KEY: ("other", name)})
+    raise TypeError(f"te_lab.profile: target must be a fused nn.Module, a callable or a (baseline, candidate) "
+                    f"pair of callables, got {type(target).__name__}")
+
+
+def _loss(output) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in output_tensors(output) if t.requires_grad]
+    if not tensors:
+        raise ValueError("te_lab.profile: backward=True, but the target's output has no tensor that requires grad")
+    return sum(t.float().sum() for t in tensors)
+
+
+def _timed_step(mode: _Mode, backward: bool, device: torch.device) -> tuple[float, float, float, float]:
+    """(step ms, forward ms, backward ms, process CPU seconds) of one step."""
+    devices.synchronize(device)
+    cpu_start = time.process_time()
+    with devices.Timer(device) as forward_timer:
+        output = mode.run()
+    backward_ms = 0.0
+    if backward:
+        with devices.Timer(device) as backward_timer:
+            leaves = [leaf for leaf in mode.leaves]
+            torch.autograd.grad(_loss(output), leaves, allow_unused=True)
+        backward_ms = backward_timer.elapsed_ms
+    cpu_seconds = time.process_time() - cpu_start
+    return forward_timer.elapsed_ms + backward_ms, forward_timer.elapsed_ms, backward_ms, cpu_seconds
+
+
+def _spread(values: list[float]) -> float:
+    if len(values) < 4:
+        return (max(values) - min(values)) / 2 if values else 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / 2
+
+
+def _environment(device: torch.device, target, inputs, description: str) -> Environment:
+    try:
+        triton_version: Optional[str] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    tensors = output_tensors(inputs if not isinstance(inputs, dict) else list(inputs.values()))
+    shapes = [list(tensor.shape) for tensor in tensors]
+    floating = tensors + (list(target.parameters()) if isinstance(target, nn.Module) else [])
+    dtypes = {str(t.dtype).replace("torch.", "") for t in floating if t.is_floating_point()}
+    return Environment(str(device), devices.device_name(device), torch.__version__, triton_version,
+                       torch.get_num_threads(), ",".join(sorted(dtypes)) or "-", shapes, description)
+
+
+def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: bool = True,
+            device=None) -> ProfileReport:
+    """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"te_lab.profile: steps must be a positive integer, got {steps!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"te_lab.profile: warmup must be a non-negative integer, got {warmup!r}")
+    modes, description, key_info = _modes(target, inputs)
+    dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
+    report = ProfileReport(_environment(dev, target, inputs, description), formulas=dict(FORMULAS))
+    samples = {mode.name: [] for mode in modes}
+    with torch.random.fork_rng(devices=[dev] if devices.is_gpu(dev) else [],
+                               **({"device_type": dev.type} if devices.is_gpu(dev) else {})):
+        for mode in modes:
+            with mode.context():
+                for _ in range(warmup):
+                    _timed_step(mode, backward, dev)
+        with UtilizationSampler(dev) as sampler:
+            for index in range(steps):
+                for mode in (modes if index % 2 == 0 else modes[::-1]):
+                    with mode.context():
+                        sampler.mark(f"{mode.name} step {index + 1} start")
+                        samples[mode.name].append(_timed_step(mode, backward, dev))
+                        sampler.mark(f"{mode.name} step {index + 1} end")
+        runs = {mode.name: [] for mode in modes}
+        for index in range(min(steps, PROFILED_STEPS)):
+            for mode in (modes if index % 2 == 0 else modes[::-1]):
+                runs[mode.name].append(_profiled_step(mode, backward, dev))
+        traces = {name: _median_run(profiled) for name, profiled in runs.items()}
+    for mode in modes:
+        report.modes[mode.name] = _summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
+    _compare(report, traces, key_info)
+    _utilization(report, samples, sampler, traces, dev)
+    report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
+    report.utilization_series = [vars(series) for series in sampler.series]
+    report.utilization_marks = list(sampler.marks)
+    report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
+    return report
+
+
+def _device_of(target, inputs) -> torch.device:
+    for value in ([*target.parameters()] if isinstance(target, nn.Module) else []) + output_tensors(inputs):
+        return value.device
+    return devices.default_device()
+
+
+@dataclass
+class _Profiled:
+    trace: Any
+    wall_ms: float
+    peak_memory_bytes: Optional[int]
+    peak_memory_source: str
+
+
+def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profiled:
+    with mode.context():
+        with regions.labelled(mode.labels()):
+            if devices.is_gpu(device):
+                devices.synchronize(device)
+                devices.reset_peak_memory_stats(device)
+                before = devices.memory_allocated(device)
+            with torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=True,
+                                        with_flops=True, profile_memory=True) as profiler:
+                wall_ms = _timed_step(mode, backward, device)[0]
+            trace = attribute(profiler, mode.name, LOSS_KEY, devices.is_gpu(device))
+    if devices.is_gpu(device):
+        return _Profiled(trace, wall_ms, devices.max_memory_allocated(device) - before, "allocator peak above the "
+                         "step's start (max_memory_allocated)")
+    return _Profiled(trace, wall_ms, trace.peak_memory_bytes, "profiler memory records: peak of allocations "
+                     "minus frees during the step")
+
+
+def _median_run(runs: list[_Profiled]) -> _Profiled:
+    """The first run, with each region's forward and backward time the median over runs
+    (launches, bytes and FLOPs do not vary between runs) and the wall time the median."""
+    first = runs[0]
+    for key, region in first.trace.regions.items():
+        others = [run.trace.regions.get(key) for run in runs]
+        region.forward_ms = statistics.median(r.forward_ms for r in others if r is not None)
+        region.backward_ms = statistics.median(r.backward_ms for r in others if r is not None)
+    first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
+    first.trace.op_us = statistics.median(run.trace.op_us for run in runs)
+    first.wall_ms = statistics.median(run.wall_ms for run in runs)
+    return first
+
+
+def _summary(name: str, samples: list, profiled: _Profiled, backward: bool, device: torch.device) -> ModeSummary:
+    step, forward, back, cpu = (list(column) for column in zip(*samples))
+    summary = ModeSummary(name, step, forward, back if backward else [],
+                          statistics.median(step), _spread(step), statistics.median(forward),
+                          statistics.median(back) if backward else None, profiled.wall_ms,
+                          profiled.trace.launches, profiled.peak_memory_bytes, profiled.peak_memory_source)
+    if not devices.is_gpu(device):
+        summary.effective_parallelism = statistics.median(c / (s * 1e-3) for c, s in zip(cpu, step) if s > 0)
+    return summary
+
+
+def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
+    keys = list(key_info) + [k for t in traces.values() for k in t.trace.regions if k not in key_info]
+    for key in dict.fromkeys(keys):
+        kind, module_type = key_info.get(key, ("loss" if key == LOSS_KEY else "other", ""))
+        report.modules.append(Comparison(key, kind, module_type,
+                                         traces["eager"].trace.regions.get(key, Region()),
+                                         traces["fused"].trace.regions.get(key, Region())))
+    other = Comparison(OTHER_KEY, "other")
+    for mode in ("eager", "fused"):
+        trace = traces[mode].trace
+        region = getattr(other, mode)
+        region.forward_ms = max(trace.op_us - trace.attributed_us, 0.0) / 1e3
+        region.launches = trace.launches - sum(r.launches for r in trace.regions.values())
+    report.modules.append(other)
+    by_kind: dict[str, Comparison] = {}
+    for comparison in report.modules:
+        merged = by_kind.setdefault(comparison.kind, Comparison(comparison.kind, comparison.kind))
+        for mode in ("eager", "fused"):
+            target, source = getattr(merged, mode), getattr(comparison, mode)
+            target.forward_ms += source.forward_ms
+            target.backward_ms += source.backward_ms
+            target.launches += source.launches
+            target.bytes_moved += source.bytes_moved
+            target.flops += source.flops
+    report.kinds = list(by_kind.values())
+    eager, fused = report.modes["eager"], report.modes["fused"]
+    fused_op_ms = sum(c.fused.total_ms for c in report.modules if c.key != OTHER_KEY)
+    all_fused_ms = sum(c.fused.total_ms for c in report.modules)
+    report.totals = Totals(
+        eager.step_median_ms / fused.step_median_ms if fused.step_median_ms > 0 else float("nan"),
+        eager.step_median_ms - fused.step_median_ms, eager.launches - fused.launches,
+        sum(c.eager.bytes_moved - c.fused.bytes_moved for c in report.modules),
+        fused_op_ms / all_fused_ms if all_fused_ms > 0 else 0.0)
+    for mode in ("eager", "fused"):
+        for comparison in report.kinds:
+            region = getattr(comparison, mode)
+            if region.total_ms > 0 and region.bytes_moved > 0:
+                report.roofline.append(RooflinePoint(
+                    mode, comparison.key, region.flops / region.bytes_moved if region.bytes_moved else None,
+                    region.gflops, region.gbs, region.total_ms))
+
+
+def _utilization(report: ProfileReport, samples: dict, sampler, traces: dict, device: torch.device) -> None:
+    peak = devices.peak(device)
+    report.ceilings = Ceilings(peak.memory_bandwidth_gbs, peak.fp32_tflops, peak.bf16_tflops, peak.source)
+    threads = torch.get_num_threads()
+    for mode, summary in report.modes.items():
+        if summary.effective_parallelism is not None:
+            report.utilization.append(Figure(
+                "effective parallelism", mode, summary.effective_parallelism, "threads",
+                "process CPU time / wall time of each timed step, median over steps",
+                f"against torch.get_num_threads() = {threads}"))
+            report.utilization.append(Figure(
+                "parallel efficiency", mode, min(summary.effective_parallelism / threads, 1.0), "fraction",
+                "effective parallelism / torch.get_num_threads()"))
+        trace = traces[mode].trace
+        if trace.device_busy_us is not None and traces[mode].wall_ms > 0:
+            report.utilization.append(Figure(
+                "device busy", mode, min(trace.device_busy_us / (traces[mode].wall_ms * 1e3), 1.0), "fraction",
+                "union of device kernel intervals / profiled step wall time"))
+    for series in sampler.series:
+        if series.values:
+            mean = statistics.mean(v for row in series.values for v in row) / 100
+            report.utilization.append(Figure(
+                f"mean {series.source} utilization", "both", mean, "fraction",
+                f"mean over samples and channels of {series.formula}", "sampled across every timed step"))

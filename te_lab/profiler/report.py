@@ -1,0 +1,261 @@
+"""ProfileReport: what :func:`te_lab.profile` measured, eager against fused, as pure data.
+
+Every figure is a measurement or computed from measurements, and the derived ones carry
+the formula they came from (``formulas``, ``Figure.formula``). Dataclasses only; a JSON
+round trip (``to_json`` / ``from_json``) is lossless. The dashboard (``show``) draws it;
+this module never imports widgets or plotly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+MODES = ("eager", "fused")
+
+
+@dataclass
+class ModeSummary:
+    """One mode's step: medians over the timed (unprofiled) steps, and what the one
+    profiled step showed (launches, peak memory)."""
+
+    mode: str
+    step_ms: list = field(default_factory=list)
+    forward_ms: list = field(default_factory=list)
+    backward_ms: list = field(default_factory=list)
+    step_median_ms: float = 0.0
+    step_spread_ms: float = 0.0  # half the interquartile range
+    forward_median_ms: float = 0.0
+    backward_median_ms: Optional[float] = None
+    profiled_step_ms: float = 0.0
+    launches: int = 0
+    peak_memory_bytes: Optional[int] = None
+    peak_memory_source: str = ""
+    effective_parallelism: Optional[float] = None
+
+
+@dataclass
+class Region:
+    """One module path (or op kind) in one mode, from the profiled step."""
+
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    launches: int = 0
+    bytes_moved: int = 0
+    flops: int = 0
+
+    @property
+    def total_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+    @property
+    def gbs(self) -> Optional[float]:
+        return self.bytes_moved / (self.total_ms * 1e-3) / 1e9 if self.total_ms > 0 else None
+
+    @property
+    def gflops(self) -> Optional[float]:
+        return self.flops / (self.total_ms * 1e-3) / 1e9 if self.total_ms > 0 else None
+
+
+@dataclass
+class Comparison:
+    """A module path or an op kind, eager against fused."""
+
+    key: str
+    kind: str
+    module_type: str = ""
+    eager: Region = field(default_factory=Region)
+    fused: Region = field(default_factory=Region)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return self.eager.total_ms / self.fused.total_ms if self.fused.total_ms > 0 else None
+
+    @property
+    def time_saved_ms(self) -> float:
+        return self.eager.total_ms - self.fused.total_ms
+
+
+@dataclass
+class Totals:
+    speedup: float
+    time_saved_ms: float
+    launches_saved: int
+    bytes_saved_estimate: int
+    fused_share: float  # of the fused profiled step, the share of time inside fused ops
+
+
+@dataclass
+class RooflinePoint:
+    mode: str
+    name: str
+    arithmetic_intensity: Optional[float]  # FLOP / byte
+    achieved_gflops: Optional[float]
+    achieved_gbs: Optional[float]
+    time_ms: float
+
+
+@dataclass
+class Ceilings:
+    memory_bandwidth_gbs: float
+    fp32_tflops: Optional[float]
+    bf16_tflops: Optional[float]
+    source: str
+
+
+@dataclass
+class TimelineEvent:
+    mode: str
+    name: str
+    start_us: float  # from the profiled step's first op
+    duration_us: float
+    lane: str  # thread (CPU) or stream (GPU)
+    path: str
+    phase: str  # "forward" | "backward"
+
+
+@dataclass
+class Figure:
+    """A utilization figure with the formula it came from."""
+
+    name: str
+    mode: str
+    value: Optional[float]
+    unit: str
+    formula: str
+    note: str = ""
+
+
+@dataclass
+class Environment:
+    device: str
+    device_name: str
+    torch_version: str
+    triton_version: Optional[str]
+    threads: int
+    dtype: str
+    input_shapes: list = field(default_factory=list)
+    target: str = ""
+
+
+@dataclass
+class ProfileReport:
+    environment: Environment
+    modes: dict = field(default_factory=dict)  # mode -> ModeSummary
+    modules: list = field(default_factory=list)  # Comparison per module path, plus "(other)"
+    kinds: list = field(default_factory=list)  # Comparison per op kind
+    totals: Optional[Totals] = None
+    roofline: list = field(default_factory=list)
+    ceilings: Optional[Ceilings] = None
+    timeline: list = field(default_factory=list)
+    utilization: list = field(default_factory=list)  # Figure
+    utilization_series: list = field(default_factory=list)  # sampler series, as dicts
+    utilization_marks: list = field(default_factory=list)  # (label, seconds)
+    formulas: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    # ---- views ----------------------------------------------------------------------
+
+    def summary(self) -> str:
+        eager, fused = self.modes["eager"], self.modes["fused"]
+        env = self.environment
+        lines = [f"te_lab.profile: {env.target} on {env.device_name} ({env.device}, {env.threads} threads, "
+                 f"{env.dtype}), {len(eager.step_ms)} interleaved steps per mode"]
+        header = ("", "eager", "fused", "")
+        rows = [
+            ("step ms (median ± spread)", f"{eager.step_median_ms:.3f} ± {eager.step_spread_ms:.3f}",
+             f"{fused.step_median_ms:.3f} ± {fused.step_spread_ms:.3f}",
+             f"speedup {self.totals.speedup:.3f}x" if self.totals else ""),
+            ("forward / backward ms", _pair(eager), _pair(fused), ""),
+            ("ops launched (profiled step)", str(eager.launches), str(fused.launches),
+             f"saved {self.totals.launches_saved}" if self.totals else ""),
+            ("peak memory MiB", _mib(eager.peak_memory_bytes), _mib(fused.peak_memory_bytes), eager.peak_memory_source),
+            ("effective parallelism", _num(eager.effective_parallelism), _num(fused.effective_parallelism),
+             f"of {env.threads} threads"),
+        ]
+        if self.totals:
+            rows.append(("bytes moved (estimate)", "", "", f"saved {self.totals.bytes_saved_estimate / 2**20:.1f} MiB"))
+            rows.append(("time in fused ops", "", f"{100 * self.totals.fused_share:.0f}%", ""))
+        lines += _table([header] + rows)
+        lines.append("")
+        lines += _table([("module / kind", "eager ms", "fused ms", "speedup", "launches e/f")] + [
+            (c.key, f"{c.eager.total_ms:.3f}", f"{c.fused.total_ms:.3f}", _ratio(c.speedup),
+             f"{c.eager.launches}/{c.fused.launches}") for c in self.kinds])
+        lines += self.notes
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
+                c.key, c.kind, f"{c.eager.total_ms:.3f}", f"{c.fused.total_ms:.3f}", _ratio(c.speedup),
+                c.eager.launches, c.fused.launches)) + "</tr>"
+            for c in self.modules)
+        head = "".join(f"<th>{h}</th>" for h in ("module", "kind", "eager ms", "fused ms", "speedup", "eager launches",
+                                                   "fused launches"))
+        summary = "<br>".join(html.escape(line) for line in self.summary().splitlines()[:8])
+        return (f'<div class="te-lab-profile"><pre>{summary}</pre><table><thead><tr>{head}</tr></thead>'
+                f"<tbody>{body}</tbody></table></div>")
+
+    def show(self) -> None:
+        """The dashboard belongs to te_lab.widgets (not built yet); until then this prints
+        the text summary."""
+        print(self.summary())
+
+    # ---- data -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self, **dumps_options) -> str:
+        return json.dumps(self.to_dict(), **dumps_options)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProfileReport":
+        def comparison(entry: dict) -> Comparison:
+            return Comparison(entry["key"], entry["kind"], entry.get("module_type", ""),
+                              Region(**entry["eager"]), Region(**entry["fused"]))
+
+        data = dict(data)
+        data["environment"] = Environment(**data["environment"])
+        data["modes"] = {mode: ModeSummary(**summary) for mode, summary in data["modes"].items()}
+        data["modules"] = [comparison(c) for c in data["modules"]]
+        data["kinds"] = [comparison(c) for c in data["kinds"]]
+        data["totals"] = None if data.get("totals") is None else Totals(**data["totals"])
+        data["roofline"] = [RooflinePoint(**p) for p in data["roofline"]]
+        data["ceilings"] = None if data.get("ceilings") is None else Ceilings(**data["ceilings"])
+        data["timeline"] = [TimelineEvent(**e) for e in data["timeline"]]
+        data["utilization"] = [Figure(**f) for f in data["utilization"]]
+        data["utilization_marks"] = [tuple(mark) for mark in data.get("utilization_marks", [])]
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ProfileReport":
+        return cls.from_dict(json.loads(text))
+
+
+def _pair(mode: ModeSummary) -> str:
+    backward = "-" if mode.backward_median_ms is None else f"{mode.backward_median_ms:.3f}"
+    return f"{mode.forward_median_ms:.3f} / {backward}"
+
+
+def _mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _num(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _table(rows: list) -> list[str]:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

@@ -1,0 +1,163 @@
+"""te_lab.profile on the tiny demo models and on callables: attribution of forward and
+backward work to modules, totals that add up, the bytes estimate of a known op,
+launches saved, utilization figures in range, a lossless JSON round trip, and a
+profile that leaves the model, its gradients and the RNG as it found them."""
+
+import math
+
+import pytest
+import torch
+
+import te_lab
+from te_lab import models
+from te_lab.kernels import rms_norm, rms_norm_reference
+from te_lab.profiler.engine import LOSS_KEY, OTHER_KEY, TARGET_KEY
+
+
+@pytest.fixture(scope="module")
+def fused_llama():
+    model = models.llama("tiny", seed=0)
+    batch = model.example_batch(2, 32)
+    report = te_lab.fuse(model, sample=batch, progress=False)
+    return model, batch, report
+
+
+@pytest.fixture(scope="module")
+def llama_profile(fused_llama):
+    model, batch, _ = fused_llama
+    return te_lab.profile(model, batch, steps=3, warmup=1)
+
+
+def test_every_fused_module_is_timed_forward_and_backward_in_both_modes(fused_llama, llama_profile):
+    _, _, fusion_report = fused_llama
+    by_key = {c.key: c for c in llama_profile.modules}
+    fused_paths = [row.path for row in fusion_report.fused if row.rule != "lm_head_loss"]
+    assert set(fused_paths) | {LOSS_KEY, OTHER_KEY} == set(by_key)
+    for path in fused_paths:
+        comparison = by_key[path]
+        for region in (comparison.eager, comparison.fused):
+            assert region.forward_ms > 0 and region.backward_ms > 0, path
+            assert region.launches > 0 and region.bytes_moved > 0, path
+        assert comparison.speedup == pytest.approx(comparison.eager.total_ms / comparison.fused.total_ms)
+    # the loss: eager lm_head + cross-entropy against the fused linear cross-entropy
+    loss = by_key[LOSS_KEY]
+    assert loss.eager.forward_ms > 0 and loss.fused.forward_ms > 0 and loss.fused.launches >= 1
+
+
+def test_totals_are_the_sum_of_their_parts(llama_profile):
+    report = llama_profile
+    for mode in ("eager", "fused"):
+        by_module = sum(getattr(c, mode).total_ms for c in report.modules)
+        by_kind = sum(getattr(c, mode).total_ms for c in report.kinds)
+        assert by_kind == pytest.approx(by_module, rel=1e-9)
+        launches = sum(getattr(c, mode).launches for c in report.modules)
+        assert launches == report.modes[mode].launches
+        summary = report.modes[mode]
+        assert summary.step_median_ms > 0 and len(summary.step_ms) == 3
+        assert summary.forward_median_ms > 0 and summary.backward_median_ms > 0
+        for step, forward, backward in zip(summary.step_ms, summary.forward_ms, summary.backward_ms):
+            assert step == pytest.approx(forward + backward)
+    eager, fused = report.modes["eager"], report.modes["fused"]
+    assert report.totals.speedup == pytest.approx(eager.step_median_ms / fused.step_median_ms)
+    assert report.totals.time_saved_ms == pytest.approx(eager.step_median_ms - fused.step_median_ms)
+    assert report.totals.launches_saved == eager.launches - fused.launches
+    assert report.totals.bytes_saved_estimate == sum(c.eager.bytes_moved - c.fused.bytes_moved for c in report.modules)
+    assert 0 <= report.totals.fused_share <= 1
+
+
+def test_the_fused_model_launches_fewer_ops(llama_profile):
+    report = llama_profile
+    assert report.modes["fused"].launches < report.modes["eager"].launches
+    norms = next(c for c in report.kinds if c.key == "norm")
+    assert norms.fused.launches < norms.eager.launches
+
+
+def test_utilization_figures_are_in_range_and_carry_formulas(llama_profile):
+    threads = torch.get_num_threads()
+    figures = llama_profile.utilization
+    assert {f.name for f in figures} >= {"effective parallelism", "parallel efficiency", "mean psutil utilization"}
+    for figure in figures:
+        assert figure.formula
+        upper = threads + 1 if figure.unit == "threads" else 1  # +1: the sampler thread, BLAS helpers
+        assert 0 <= figure.value <= upper, figure
+    (series,) = llama_profile.utilization_series
+    assert series["source"] == "psutil" and series["values"]
+    assert llama_profile.utilization_marks[0][0] in ("eager step 1 start", "fused step 1 start")
+
+
+def test_timeline_and_roofline(llama_profile):
+    report = llama_profile
+    for mode in ("eager", "fused"):
+        events = [e for e in report.timeline if e.mode == mode]
+        assert events and all(e.start_us >= 0 and e.duration_us >= 0 for e in events)
+        assert {e.phase for e in events} == {"forward", "backward"}
+        assert any(e.path == "model.layers.0.mlp" for e in events)
+    points = {(p.mode, p.name) for p in report.roofline}
+    assert ("fused", "norm") in points and ("eager", "attention") in points
+    for point in report.roofline:
+        assert point.arithmetic_intensity == pytest.approx(
+            next(getattr(c, point.mode) for c in report.kinds if c.key == point.name).flops
+            / next(getattr(c, point.mode) for c in report.kinds if c.key == point.name).bytes_moved)
+    assert report.ceilings.memory_bandwidth_gbs > 0
+
+
+def test_json_round_trip_is_lossless(llama_profile):
+    text = llama_profile.to_json()
+    again = te_lab.ProfileReport.from_json(text)
+    assert again.to_json() == text
+    assert again.summary() == llama_profile.summary()
+    assert "speedup" in llama_profile.summary() and "<table>" in llama_profile._repr_html_()
+
+
+def test_profiling_leaves_model_gradients_and_rng_as_found(fused_llama):
+    model, batch, _ = fused_llama
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        before = model(batch["input_ids"]).logits
+    torch.manual_seed(7)
+    expected_draw = torch.rand(2)
+    torch.manual_seed(7)
+    te_lab.profile(model, batch, steps=1, warmup=0)
+    assert torch.equal(torch.rand(2), expected_draw)
+    assert te_lab.is_fused(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, params[name]) and torch.equal(p.grad, torch.full_like(p, 0.25)), name
+    with torch.no_grad():
+        assert torch.equal(model(batch["input_ids"]).logits, before)
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_bytes_of_a_known_op_match_the_hand_count():
+    x, weight = torch.randn(4, 8, 256), torch.randn(256)
+    report = te_lab.profile((lambda x, w: rms_norm_reference(x, w), lambda x, w: rms_norm(x, w)), (x, weight),
+                            steps=1, warmup=1, backward=False)
+    (comparison,) = [c for c in report.modules if c.key == TARGET_KEY]
+    rows, hidden = 4 * 8, 256
+    # te_lab::rms_norm reads x and the weight, writes y and one float32 rstd per row
+    assert comparison.fused.bytes_moved == (rows * hidden + hidden) * 4 + rows * hidden * 4 + rows * 4
+    assert comparison.fused.launches == 1
+    assert comparison.eager.launches > 1  # the unfused formula is several ops
+
+
+def test_a_callable_target_runs_its_te_lab_ops_unfused_then_fused():
+    x, weight = torch.randn(64, 128), torch.randn(128)
+
+    def norm(x, w):
+        return rms_norm(x, w)
+
+    report = te_lab.profile(norm, (x, weight), steps=2, warmup=1)
+    (comparison,) = [c for c in report.modules if c.key == TARGET_KEY]
+    assert comparison.fused.launches == 2  # te_lab::rms_norm and its backward
+    assert comparison.eager.launches > comparison.fused.launches
+    assert math.isfinite(report.totals.speedup)
+
+
+def test_bad_targets_and_options_get_clear_errors():
+    with pytest.raises(ValueError, match="no te_lab fusions"):
+        te_lab.profile(models.llama("tiny"), None)
+    with pytest.raises(TypeError, match="target must be"):
+        te_lab.profile(42)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        te_lab.profile(lambda: torch.ones(1), steps=0)

@@ -1,0 +1,161 @@
+"""UtilizationSampler: real psutil samples from a real background thread."""
+
+import sys
+import threading
+import time
+import types
+
+import psutil
+import pytest
+import torch
+
+from te_lab.profiler.sampler import UtilizationSampler
+
+THREAD_NAME = "te_lab-utilization-sampler"
+
+
+def busy_for(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def sampler_threads():
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+
+
+def cpu_series(sampler):
+    (series,) = [s for s in sampler.series if s.source == "psutil"]
+    return series
+
+
+def test_samples_every_core_while_the_block_runs():
+    with UtilizationSampler(torch.device("cpu"), interval_s=0.02) as sampler:
+        busy_for(0.2)
+    series = cpu_series(sampler)
+    assert series.unit == "percent"
+    assert "cpu_percent" in series.formula
+    assert series.labels == [f"cpu{i}" for i in range(psutil.cpu_count())]
+    # 0.2 s at 0.02 s a tick; a loaded machine may tick late, not this late
+    assert len(series.times_s) >= 3
+    assert len(series.values) == len(series.times_s)
+    assert all(len(row) == psutil.cpu_count() for row in series.values)
+    assert all(0.0 <= v <= 100.0 for row in series.values for v in row)
+    assert all(a < b for a, b in zip(series.times_s, series.times_s[1:]))
+    assert series.times_s[0] > 0
+    # the busy loop keeps one core busy for the whole block
+    assert max(v for row in series.values for v in row) > 0
+
+
+def test_thread_is_stopped_after_the_block():
+    with UtilizationSampler(torch.device("cpu")):
+        assert len(sampler_threads()) == 1
+        busy_for(0.05)
+    assert sampler_threads() == []
+
+
+def test_thread_is_stopped_and_the_error_propagates_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="from the profiled block"):
+        with UtilizationSampler(torch.device("cpu")) as sampler:
+            raise RuntimeError("from the profiled block")
+    assert sampler_threads() == []
+    assert len(cpu_series(sampler).times_s) >= 1
+
+
+def test_marks_are_recorded_in_order_within_the_run():
+    started = time.perf_counter()
+    with UtilizationSampler(torch.device("cpu")) as sampler:
+        for step in (1, 2):
+            sampler.mark(f"eager step {step} start")
+            busy_for(0.02)
+            sampler.mark(f"eager step {step} end")
+    run_s = time.perf_counter() - started
+    labels = [label for label, _ in sampler.marks]
+    assert labels == ["eager step 1 start", "eager step 1 end", "eager step 2 start", "eager step 2 end"]
+    times = [t for _, t in sampler.marks]
+    assert all(a <= b for a, b in zip(times, times[1:]))
+    assert 0 <= times[0] and times[-1] <= run_s
+
+
+def test_cpu_device_says_the_device_source_does_not_apply():
+    with UtilizationSampler(torch.device("cpu")) as sampler:
+        pass
+    assert [s.source for s in sampler.series] == ["psutil"]
+    assert any("the device is the CPU" in reason for reason in sampler.unavailable)
+
+
+def test_a_very_short_block_still_yields_a_sample():
+    started = time.perf_counter()
+    with UtilizationSampler(torch.device("cpu"), interval_s=10.0) as sampler:
+        pass
+    # the stop interrupts the 10 s tick instead of waiting it out
+    assert time.perf_counter() - started < 2.0
+    series = cpu_series(sampler)
+    assert len(series.times_s) == 1
+    assert len(series.values[0]) == psutil.cpu_count()
+
+
+def test_rejects_a_non_positive_interval():
+    with pytest.raises(ValueError, match="interval_s"):
+        UtilizationSampler(torch.device("cpu"), interval_s=0)
+
+
+def fake_nvml_library(fail_after_reads):
+    """An NVML-shaped module: a stand-in for the GPU, which this test machine lacks."""
+    library = types.ModuleType("fake_nvml")
+    library.calls = []
+    library.reads = 0
+
+    def nvmlDeviceGetUtilizationRates(handle):
+        library.reads += 1
+        if library.reads > fail_after_reads:
+            raise OSError("driver went away")
+        return types.SimpleNamespace(gpu=37, memory=5)
+
+    library.nvmlInit = lambda: library.calls.append("init")
+    library.nvmlShutdown = lambda: library.calls.append("shutdown")
+    library.nvmlDeviceGetHandleByIndex = lambda index: library.calls.append(f"handle {index}")
+    library.nvmlDeviceGetUtilizationRates = nvmlDeviceGetUtilizationRates
+    return library
+
+
+@pytest.mark.parametrize(
+    "device, module, source, label",
+    [
+        (torch.device("cuda", 1), "pynvml", "nvml", "cuda:1"),
+        # torch parses "musa" only once torch_musa is imported; the sampler reads
+        # nothing but .type and .index
+        (types.SimpleNamespace(type="musa", index=None), "pymtml", "pymtml", "musa:0"),
+    ],
+)
+def test_gpu_library_is_sampled_beside_the_cores(monkeypatch, device, module, source, label):
+    library = fake_nvml_library(fail_after_reads=10**6)
+    monkeypatch.setitem(sys.modules, module, library)
+    with UtilizationSampler(device) as sampler:
+        busy_for(0.05)
+    (gpu,) = [s for s in sampler.series if s.source == source]
+    assert gpu.labels == [label]
+    assert gpu.values[0] == [37.0]
+    assert library.calls == ["init", f"handle {device.index or 0}", "shutdown"]
+    assert sampler.unavailable == []
+
+
+def test_a_failing_gpu_library_is_reported_and_the_cores_carry_on(monkeypatch):
+    library = fake_nvml_library(fail_after_reads=1)
+    monkeypatch.setitem(sys.modules, "pynvml", library)
+    with UtilizationSampler(torch.device("cuda"), interval_s=0.01) as sampler:
+        busy_for(0.1)
+    (gpu,) = [s for s in sampler.series if s.source == "nvml"]
+    assert gpu.values == [[37.0]]
+    assert sampler.unavailable == ["nvml: OSError: driver went away"]
+    assert library.calls[-1] == "shutdown"
+    assert len(cpu_series(sampler).times_s) >= 3
+
+
+def test_a_missing_gpu_library_is_reported(monkeypatch):
+    # None in sys.modules makes the import fail, as when the package is not installed
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with UtilizationSampler(torch.device("cuda")) as sampler:
+        pass
+    assert sampler.unavailable == ["nvml: nvidia-ml-py is not installed"]
+    assert [s.source for s in sampler.series] == ["psutil"]
