@@ -21,6 +21,7 @@ from typing import Optional
 
 from torch.autograd import DeviceType
 
+from .device_kernels import device_kernels
 from .estimates import op_cost
 from .regions import PREFIX
 from .report import Region, TimelineEvent
@@ -56,7 +57,7 @@ class StepTrace:
     op_us: float = 0.0  # all top-level op time
     span_us: float = 0.0
     peak_memory_bytes: Optional[int] = None
-    device_busy_us: Optional[float] = None
+    kernels: list = field(default_factory=list)  # DeviceKernel, on GPUs
 
 
 def _ancestors(event):
@@ -144,8 +145,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             region.flops += cost.flops
     trace.peak_memory_bytes = _peak_live_bytes(profiler)
     if on_gpu:
-        trace.device_busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in profiler.events()
-                                          if e.device_type != DeviceType.CPU])
+        trace.kernels = device_kernels(profiler.profiler.kineto_results.trace_activities())
     return trace
 
 
@@ -157,13 +157,3 @@ def _peak_live_bytes(profiler) -> int:
             live += event.nbytes()
             peak = max(peak, live)
     return peak
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total

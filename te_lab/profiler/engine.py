@@ -35,6 +35,7 @@ from te_lab.surgery.rules import ProbeInputs
 
 from . import regions
 from .attribution import attribute
+from .device_kernels import achieved_occupancy, busy_ns, idle_split_ns, sm_efficiency
 from .estimates import BYTES_FORMULA
 from .report import (Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region, RooflinePoint,
                      Totals)
@@ -333,6 +334,29 @@ def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
                     region.gflops, region.gbs, region.total_ms))
 
 
+def _device_figures(mode: str, profiled: _Profiled, multiprocessors: int) -> list[Figure]:
+    kernels = profiled.trace.kernels
+    wall_ns = int(profiled.wall_ms * 1e6)
+    if not kernels or wall_ns <= 0:
+        return [Figure("device busy", mode, None, "fraction", "union of kernel intervals / step wall time",
+                       "the trace holds no device kernels")]
+    start = kernels[0].start_ns
+    figures = [
+        Figure("device busy", mode, min(busy_ns(kernels) / wall_ns, 1.0), "fraction",
+               "union of kernel intervals / profiled step wall time"),
+        Figure("estimated SM efficiency", mode, sm_efficiency(kernels, multiprocessors, wall_ns), "fraction",
+               f"sum over kernels of min(blocks / {multiprocessors} multiprocessors, 1) x duration / wall time"),
+        Figure("achieved occupancy", mode, achieved_occupancy(kernels), "fraction",
+               "CUPTI's est. achieved occupancy, duration-weighted over kernels"),
+    ]
+    split = idle_split_ns(kernels, start, start + wall_ns)
+    for index, what in enumerate(("waiting on host", "other")):
+        figures.append(Figure(f"device idle: {what}", mode, None if split is None else split[index] / wall_ns,
+                              "fraction", "gaps between kernels before (waiting on host) / after the launching "
+                              "host call began, over the step wall time"))
+    return figures
+
+
 def _utilization(report: ProfileReport, samples: dict, sampler, traces: dict, device: torch.device) -> None:
     peak = devices.peak(device)
     report.ceilings = Ceilings(peak.memory_bandwidth_gbs, peak.fp32_tflops, peak.bf16_tflops, peak.source)
@@ -346,11 +370,8 @@ def _utilization(report: ProfileReport, samples: dict, sampler, traces: dict, de
             report.utilization.append(Figure(
                 "parallel efficiency", mode, min(summary.effective_parallelism / threads, 1.0), "fraction",
                 "effective parallelism / torch.get_num_threads()"))
-        trace = traces[mode].trace
-        if trace.device_busy_us is not None and traces[mode].wall_ms > 0:
-            report.utilization.append(Figure(
-                "device busy", mode, min(trace.device_busy_us / (traces[mode].wall_ms * 1e3), 1.0), "fraction",
-                "union of device kernel intervals / profiled step wall time"))
+        if devices.is_gpu(device):
+            report.utilization.extend(_device_figures(mode, traces[mode], devices.multiprocessor_count(device)))
     for series in sampler.series:
         if series.values:
             mean = statistics.mean(v for row in series.values for v in row) / 100
