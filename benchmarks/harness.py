@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from te_lab import device as devices
+from te_lab.profiler.attribution import peak_live_bytes
 
 
 @dataclass
@@ -91,9 +92,4 @@ def peak_memory_bytes(step: Callable[[], object], device: torch.device) -> int:
         return devices.max_memory_allocated(device) - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    live = peak = 0
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]":
-            live += event.nbytes()
-            peak = max(peak, live)
-    return peak
+    return peak_live_bytes(prof)

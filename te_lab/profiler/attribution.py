@@ -143,13 +143,13 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             cost = op_cost(worker.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
             region.bytes_moved += cost.bytes_moved
             region.flops += cost.flops
-    trace.peak_memory_bytes = _peak_live_bytes(profiler)
+    trace.peak_memory_bytes = peak_live_bytes(profiler)
     if on_gpu:
         trace.kernels = device_kernels(profiler.profiler.kineto_results.trace_activities())
     return trace
 
 
-def _peak_live_bytes(profiler) -> int:
+def peak_live_bytes(profiler) -> int:
     """Peak of allocations minus frees over the step, from the profiler's memory records."""
     live = peak = 0
     for event in profiler.profiler.kineto_results.events():
