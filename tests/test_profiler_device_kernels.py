@@ -36,6 +36,9 @@ class Activity:
     def metadata_json(self):
         return self.metadata
 
+    def resource_id(self):
+        return 7  # the stream
+
 
 def kernel(start, length, correlation, grid, occupancy):
     return Activity("kernel", f"k{correlation}", start, length, correlation,
@@ -54,7 +57,7 @@ TRACE = [
 def test_kernels_carry_grid_occupancy_and_launch_time():
     first, second = device_kernels(TRACE)
     assert (first.blocks, first.occupancy, first.launched_ns) == (66, 0.5, 0)
-    assert (second.blocks, second.start_ns, second.end_ns) == (264, 160, 260)
+    assert (second.blocks, second.start_ns, second.end_ns, second.stream) == (264, 160, 260, 7)
 
 
 def test_busy_sm_efficiency_and_occupancy():

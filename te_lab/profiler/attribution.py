@@ -9,7 +9,10 @@ bytes moved and FLOPs, and the timeline.
 - The loss (eager cross-entropy ops, or te_lab's fused linear cross-entropy) belongs to
   ``loss_key`` wherever it runs outside a region.
 - *Launches* are the ops the framework dispatches: on the CPU, every op not nested in
-  another op; on GPUs, the device kernels under them.
+  another op; on GPUs, the device kernels under them. An op's time is its host time on
+  the CPU and its kernels' device time (``device_time_total``) on GPUs.
+- The timeline holds the top-level ops per thread on the CPU, the kernels per stream
+  on GPUs.
 - Bytes and FLOPs sum :func:`te_lab.profiler.estimates.op_cost` over the ops that do
   the work: te_lab's ops as a whole, and aten ops with no ops inside them, except views.
 """
@@ -122,20 +125,22 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     for event in top_level:
         key, phase = key_and_phase(event)
         launches = _kernels_under(event) if on_gpu else 1
+        # On GPUs an op's time is its kernels' device time; its host time is mostly launch.
+        duration_us = event.device_time_total if on_gpu else event.time_range.elapsed_us()
         trace.launches += launches
-        trace.op_us += event.time_range.elapsed_us()
-        trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start,
-                                            event.time_range.elapsed_us(), f"thread {event.thread}", key or "", phase))
+        trace.op_us += duration_us
+        if not on_gpu:
+            trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
+                                                f"thread {event.thread}", key or "", phase))
         if key is None:
             continue
         region = trace.regions.setdefault(key, Region())
         region.launches += launches
-        duration_ms = event.time_range.elapsed_us() / 1e3
         if phase == "forward":
-            region.forward_ms += duration_ms
+            region.forward_ms += duration_us / 1e3
         else:
-            region.backward_ms += duration_ms
-        trace.attributed_us += event.time_range.elapsed_us()
+            region.backward_ms += duration_us / 1e3
+        trace.attributed_us += duration_us
         for worker in _cost_events(event):
             recorded = kineto.get(worker.id)
             if recorded is None:
@@ -146,6 +151,9 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     trace.peak_memory_bytes = peak_live_bytes(profiler)
     if on_gpu:
         trace.kernels = device_kernels(profiler.profiler.kineto_results.trace_activities())
+        first = min((k.start_ns for k in trace.kernels), default=0)
+        trace.timeline = [TimelineEvent(mode, k.name, (k.start_ns - first) / 1e3, k.duration_ns / 1e3,
+                                        f"stream {k.stream}", "", "") for k in trace.kernels]
     return trace
 
 

@@ -27,6 +27,7 @@ class DeviceKernel:
     blocks: Optional[int]
     occupancy: Optional[float]  # fraction
     launched_ns: Optional[int]  # when the host call that launched it started
+    stream: int = 0
 
     @property
     def end_ns(self) -> int:
@@ -55,7 +56,7 @@ def device_kernels(activities) -> list[DeviceKernel]:
             activity.name(), activity.timestamp(), max(activity.duration(), 0),
             math.prod(grid) if isinstance(grid, list) and grid else None,
             occupancy / 100 if isinstance(occupancy, (int, float)) else None,
-            launches.get(activity.correlation_id())))
+            launches.get(activity.correlation_id()), activity.resource_id()))
     return sorted(kernels, key=lambda k: k.start_ns)
 
 
