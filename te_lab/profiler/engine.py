@@ -17,6 +17,7 @@ bytes, timeline and memory. The RNG state, parameters and gradients are left as 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import statistics
 import time
@@ -195,8 +196,12 @@ def _environment(device: torch.device, target, inputs, description: str) -> Envi
 
 
 def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: bool = True,
-            device=None) -> ProfileReport:
-    """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport."""
+            device=None, progress: Optional[Callable[[int, int], None]] = None) -> ProfileReport:
+    """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport.
+
+    ``progress(done, total)`` is called after every step (for progress bars). The report
+    can re-run itself with the same arguments: ``report.rerun(progress=...)``.
+    """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"te_lab.profile: steps must be a positive integer, got {steps!r}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
@@ -205,23 +210,35 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     report = ProfileReport(_environment(dev, target, inputs, description), formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
+    total = len(modes) * (warmup + steps + min(steps, PROFILED_STEPS))
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
     with torch.random.fork_rng(devices=[dev] if devices.is_gpu(dev) else [],
                                **({"device_type": dev.type} if devices.is_gpu(dev) else {})):
         for mode in modes:
             with mode.context():
                 for _ in range(warmup):
                     _timed_step(mode, backward, dev)
+                    advance()
         with UtilizationSampler(dev) as sampler:
             for index in range(steps):
                 for mode in (modes if index % 2 == 0 else modes[::-1]):
                     with mode.context():
                         sampler.mark(f"{mode.name} step {index + 1} start")
                         samples[mode.name].append(_timed_step(mode, backward, dev))
+                        advance()
                         sampler.mark(f"{mode.name} step {index + 1} end")
         runs = {mode.name: [] for mode in modes}
         for index in range(min(steps, PROFILED_STEPS)):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
                 runs[mode.name].append(_profiled_step(mode, backward, dev))
+                advance()
         traces = {name: _median_run(profiled) for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = _summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
@@ -231,6 +248,9 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     report.utilization_series = [vars(series) for series in sampler.series]
     report.utilization_marks = list(sampler.marks)
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
+    # Not a dataclass field: a live hook, absent from JSON (a loaded report cannot re-run).
+    report.rerun = functools.partial(profile, target, inputs, steps=steps, warmup=warmup, backward=backward,
+                                     device=device)
     return report
 
 

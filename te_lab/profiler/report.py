@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import pathlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -202,10 +203,19 @@ class ProfileReport:
         return (f'<div class="te-lab-profile"><pre>{summary}</pre><table><thead><tr>{head}</tr></thead>'
                 f"<tbody>{body}</tbody></table></div>")
 
-    def show(self) -> None:
-        """The dashboard belongs to te_lab.widgets (not built yet); until then this prints
-        the text summary."""
-        print(self.summary())
+    def show(self):
+        """The dashboard in a notebook (``te_lab.widgets.Dashboard``); the text summary
+        where no widget frontend runs (plain Python, a terminal, a CI log)."""
+        from te_lab.widgets.display import show_report  # widgets load only when asked for
+
+        return show_report(self)
+
+    def to_html(self, path) -> "pathlib.Path":
+        """One self-contained HTML file (plotly.js inlined, no network needed) with the
+        dashboard's charts and the summary table."""
+        from te_lab.widgets.export import write_html
+
+        return write_html(self, path)
 
     # ---- data -----------------------------------------------------------------------
 

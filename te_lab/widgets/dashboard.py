@@ -1,0 +1,152 @@
+"""The profiler dashboard: an ipywidgets layout of plotly FigureWidgets drawn from a
+ProfileReport. It never measures; the Re-run button asks the report's own ``rerun``
+hook (a report loaded from JSON has none, and the button says so).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Optional
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from .figures import (GROUP_BY, PHASES, gain_rows, gains_figure, roofline_figure, summary_cards, timeline_figure,
+                      utilization_figure)
+
+GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
+NO_RERUN = "This report was loaded without its model (from JSON): there is nothing to re-run"
+
+
+def _cards_html(report) -> str:
+    cards = "".join(
+        f'<div style="border:1px solid #ccc;border-radius:6px;padding:6px 12px;margin:4px">'
+        f'<div style="color:#666;font-size:85%">{html.escape(title)}</div>'
+        f'<div style="font-size:120%">{html.escape(value)}</div></div>' for title, value in summary_cards(report))
+    return f'<div class="te-lab-cards" style="display:flex;flex-wrap:wrap">{cards}</div>'
+
+
+def _figures_table(report) -> str:
+    rows = "".join(
+        f"<tr><td>{html.escape(f.name)}</td><td>{html.escape(f.mode)}</td>"
+        f"<td>{'-' if f.value is None else f'{f.value:.3g}'} {html.escape(f.unit)}</td>"
+        f"<td><code>{html.escape(f.formula)}</code></td></tr>" for f in report.utilization)
+    return (f'<table class="te-lab-utilization"><tr><th>figure</th><th>mode</th><th>value</th><th>formula</th></tr>'
+            f"{rows}</table>")
+
+
+class Dashboard(widgets.VBox):
+    """``Dashboard(report)``: summary cards, then tabs Gains / Timeline / Utilization /
+    Roofline, and a Re-run button."""
+
+    def __init__(self, report):
+        self.cards = widgets.HTML()
+        self.group_by = widgets.Dropdown(options=[(GROUP_LABELS[g], g) for g in GROUP_BY], value="kind",
+                                         description="group by")
+        self.phase = widgets.ToggleButtons(options=list(PHASES), value="both", description="phase")
+        self.details = widgets.HTML("<i>Click a bar for its details.</i>")
+        self.gains = go.FigureWidget()
+        self.timeline = go.FigureWidget()
+        self.utilization = go.FigureWidget()
+        self.utilization_table = widgets.HTML()
+        self.roofline = go.FigureWidget()
+        self.rerun_button = widgets.Button(description="Re-run", icon="refresh")
+        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="profiling", layout={"visibility":
+                                                                                                       "hidden"})
+        tabs = widgets.Tab(children=[
+            widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.details]),
+            self.timeline,
+            widgets.VBox([self.utilization_table, self.utilization]),
+            self.roofline,
+        ])
+        for index, title in enumerate(("Gains", "Timeline", "Utilization", "Roofline")):
+            tabs.set_title(index, title)
+        super().__init__([self.cards, tabs, widgets.HBox([self.rerun_button, self.progress])])
+        self.add_class("te-lab-dashboard")
+        self.group_by.observe(lambda _: self._draw_gains(), names="value")
+        self.phase.observe(lambda _: self._draw_gains(), names="value")
+        self.rerun_button.on_click(lambda _: self.rerun())
+        self.report = None
+        self.update(report)
+
+    # ---- drawing ----------------------------------------------------------------------
+
+    def update(self, report) -> None:
+        """Draw ``report`` in place (the same widgets, new data)."""
+        self.report = report
+        self.cards.value = _cards_html(report)
+        self._replace(self.timeline, timeline_figure(report))
+        self._replace(self.utilization, utilization_figure(report))
+        self._replace(self.roofline, roofline_figure(report))
+        self.utilization_table.value = _figures_table(report)
+        self._draw_gains()
+        can_rerun = getattr(report, "rerun", None) is not None
+        self.rerun_button.disabled = not can_rerun
+        self.rerun_button.tooltip = "Profile the model again and redraw" if can_rerun else NO_RERUN
+
+    @staticmethod
+    def _replace(widget: go.FigureWidget, figure: go.Figure) -> None:
+        with widget.batch_update():
+            widget.data = []
+            widget.add_traces(list(figure.data))
+            widget.layout = figure.layout
+
+    def _draw_gains(self) -> None:
+        self._replace(self.gains, gains_figure(self.report, self.group_by.value, self.phase.value))
+        for trace in self.gains.data:
+            trace.on_click(self._show_details)
+        self.details.value = "<i>Click a bar for its details.</i>"
+
+    def _show_details(self, trace, points, _state) -> None:
+        if not points.point_inds:
+            return
+        label = trace.customdata[points.point_inds[0]]
+        self.details.value = self.details_html(label)
+
+    def details_html(self, label: str) -> str:
+        """Details of one gains row: each module merged into it, eager vs fused."""
+        row = next((r for r in gain_rows(self.report, self.group_by.value, self.phase.value) if r.label == label), None)
+        if row is None:
+            return f"<i>No row {html.escape(label)!s}.</i>"
+        modules = {c.key: c for c in self.report.modules + self.report.kinds}
+        lines = []
+        for key in row.keys:
+            comparison = modules.get(key)
+            if comparison is None:
+                continue
+            ops = sorted({e.name for e in self.report.timeline if e.path == key})
+            for mode in ("eager", "fused"):
+                region = getattr(comparison, mode)
+                gbs = "-" if region.gbs is None else f"{region.gbs:.2f}"
+                lines.append(
+                    f"<tr><td>{html.escape(key)}</td><td>{mode}</td><td>{region.forward_ms:.3f} / "
+                    f"{region.backward_ms:.3f}</td><td>{region.launches}</td>"
+                    f"<td>{region.bytes_moved / 2**20:.2f}</td><td>{gbs}</td></tr>")
+            if ops:
+                lines.append(f'<tr><td colspan="6">ops: {html.escape(", ".join(ops))}</td></tr>')
+        speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+        return (f'<div class="te-lab-details"><b>{html.escape(label)}</b>: eager {row.eager_ms:.3f} ms, fused '
+                f"{row.fused_ms:.3f} ms, speedup {speedup}<table><tr><th>module</th><th>mode</th>"
+                f"<th>fwd / bwd ms</th><th>launches</th><th>MiB moved (est.)</th><th>GB/s</th></tr>"
+                f"{''.join(lines)}</table></div>")
+
+    # ---- re-run -------------------------------------------------------------------------
+
+    def rerun(self) -> Optional[object]:
+        """Profile again through the report's hook, showing progress; redraw in place."""
+        hook = getattr(self.report, "rerun", None)
+        if hook is None:
+            return None
+        self.rerun_button.disabled = True
+        self.progress.layout.visibility = "visible"
+
+        def advance(done: int, total: int) -> None:
+            self.progress.max, self.progress.value = total, done
+
+        try:
+            report = hook(progress=advance)
+        finally:
+            self.progress.layout.visibility = "hidden"
+            self.rerun_button.disabled = False
+        self.update(report)
+        return report

@@ -1,0 +1,31 @@
+"""Where a report goes when shown: the dashboard where a widget frontend runs, the text
+summary everywhere else."""
+
+from __future__ import annotations
+
+import sys
+
+
+def widget_frontend_available() -> bool:
+    """Whether this process is a Jupyter kernel (a frontend can render widgets). A
+    terminal IPython, plain Python and CI logs cannot."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def show_report(report):
+    """Display ``report``'s dashboard and return it, or print its summary and return None."""
+    if not widget_frontend_available():
+        print(report.summary())
+        return None
+    from IPython.display import display
+
+    from .dashboard import Dashboard
+
+    dashboard = Dashboard(report)
+    display(dashboard)
+    return dashboard

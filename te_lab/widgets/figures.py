@@ -1,0 +1,235 @@
+"""Plotly figures drawn from a :class:`~te_lab.profiler.report.ProfileReport`.
+
+Pure functions: each takes a report and returns a fresh ``go.Figure`` (or plain data,
+for the gains table and the headline cards); nothing here measures or keeps state. The
+dashboard wraps these figures in ``FigureWidget`` s and wires their clicks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from te_lab.profiler.engine import OTHER_KEY
+from te_lab.profiler.report import MODES, Comparison, ProfileReport, Region
+
+GROUP_BY = ("kind", "module_type", "module")  # op kind / module type / module instance (Comparison.key)
+PHASES = ("both", "forward", "backward")
+
+MODE_COLORS = {"eager": "#7f7f7f", "fused": "#1f77b4"}
+PHASE_COLORS = {"forward": "#2ca02c", "backward": "#d62728"}
+
+_PHASE_MS: dict[str, Callable[[Region], float]] = {
+    "both": lambda region: region.total_ms,
+    "forward": lambda region: region.forward_ms,
+    "backward": lambda region: region.backward_ms,
+}
+_STEP_MARK = re.compile(r"^(?P<step>(?P<mode>\S+) step \d+) (?P<edge>start|end)$")
+
+
+@dataclass
+class GainRow:
+    """One bar pair of the gains figure: a kind, a module type or one module, eager against fused."""
+
+    label: str
+    eager_ms: float
+    fused_ms: float
+    speedup: float | None
+    time_saved_ms: float
+    keys: list[str]  # the module keys (Comparison.key) merged into this row
+
+
+# ---- fusion gains --------------------------------------------------------------------------
+
+
+def gain_rows(report: ProfileReport, group_by: str = "kind", phase: str = "both") -> list[GainRow]:
+    """Eager and fused time per group, sorted by time saved, largest first.
+
+    The time no module accounts for (``"(other)"``) is real step time, so it stays, but
+    last: it is not something fusion targeted.
+    """
+    if group_by not in GROUP_BY:
+        raise ValueError(f"gain_rows: group_by must be one of {GROUP_BY}, got {group_by!r}")
+    if phase not in PHASES:
+        raise ValueError(f"gain_rows: phase must be one of {PHASES}, got {phase!r}")
+    if group_by == "kind":
+        groups = [(kind.key, [kind], [m.key for m in report.modules if m.kind == kind.key])
+                  for kind in report.kinds]
+    else:
+        by_label: dict[str, list[Comparison]] = {}
+        for module in report.modules:
+            label = module.key if group_by == "module" else module.module_type or module.key
+            by_label.setdefault(label, []).append(module)
+        groups = [(label, members, [m.key for m in members]) for label, members in by_label.items()]
+    rows = [_gain_row(label, comparisons, keys, _PHASE_MS[phase]) for label, comparisons, keys in groups]
+    return sorted(rows, key=lambda row: (OTHER_KEY in row.keys, -row.time_saved_ms))
+
+
+def _gain_row(label: str, comparisons: list[Comparison], keys: list[str],
+              phase_ms: Callable[[Region], float]) -> GainRow:
+    eager_ms = sum(phase_ms(c.eager) for c in comparisons)
+    fused_ms = sum(phase_ms(c.fused) for c in comparisons)
+    return GainRow(label, eager_ms, fused_ms, eager_ms / fused_ms if fused_ms > 0 else None,
+                   eager_ms - fused_ms, keys)
+
+
+def gains_figure(report: ProfileReport, group_by: str = "kind", phase: str = "both") -> go.Figure:
+    """Grouped bars, eager beside fused, per row of :func:`gain_rows`; the fused bar is
+    labelled with its speedup. Each bar's ``customdata`` is its row label, so a click
+    handler can find the row again."""
+    rows = gain_rows(report, group_by, phase)
+    labels = [row.label for row in rows]
+    figure = go.Figure()
+    for mode in MODES:
+        figure.add_trace(go.Bar(
+            name=mode, x=labels, y=[row.eager_ms if mode == "eager" else row.fused_ms for row in rows],
+            marker_color=MODE_COLORS[mode], customdata=labels,
+            text=[_ratio(row.speedup) for row in rows] if mode == "fused" else None,
+            textposition="outside" if mode == "fused" else None,
+            hovertemplate=f"%{{customdata}}<br>{mode}: %{{y:.3f}} ms<extra></extra>"))
+    figure.update_layout(barmode="group", title=f"Eager vs fused time by {group_by.replace('_', ' ')} ({phase})",
+                         yaxis_title="ms in the profiled step")
+    return figure
+
+
+# ---- timeline --------------------------------------------------------------------------------
+
+
+def timeline_figure(report: ProfileReport) -> go.Figure:
+    """Gantt chart of the profiled step, eager above fused on one time axis: one bar per
+    op on its lane (thread or stream), coloured by phase."""
+    figure = make_subplots(rows=len(MODES), cols=1, shared_xaxes=True, subplot_titles=MODES,
+                           vertical_spacing=0.08)
+    for row, mode in enumerate(MODES, start=1):
+        for phase, color in PHASE_COLORS.items():
+            events = [e for e in report.timeline if e.mode == mode and e.phase == phase]
+            if not events:
+                continue
+            figure.add_trace(go.Bar(
+                name=phase, legendgroup=phase, showlegend=row == 1, orientation="h", marker_color=color,
+                y=[e.lane for e in events], base=[e.start_us for e in events], x=[e.duration_us for e in events],
+                customdata=[(e.name, e.path or "(outside any module)", e.duration_us) for e in events],
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]:.1f} µs<extra></extra>"),
+                row=row, col=1)
+    # Bars of one lane share a y position; grouping would shift them apart.
+    figure.update_layout(barmode="overlay", title="Profiled step, op by op")
+    figure.update_xaxes(title_text="µs from the step's first op", row=len(MODES), col=1)
+    return figure
+
+
+# ---- utilization ----------------------------------------------------------------------------
+
+
+def utilization_figure(report: ProfileReport) -> go.Figure:
+    """Utilization of each sampled channel (CPU core, GPU) over time, with every timed
+    eager and fused step shaded, so busy and idle stretches line up with the steps."""
+    if not report.utilization_series:
+        unavailable = [note for note in report.notes if note.startswith("unavailable: ")]
+        why = "; ".join(unavailable) if unavailable else "the sampler recorded none"
+        return go.Figure(layout={"title": f"No utilization samples: {why}"})
+    figure = go.Figure()
+    for series in report.utilization_series:
+        for channel, label in enumerate(series["labels"]):
+            figure.add_trace(go.Scatter(
+                name=label, x=series["times_s"], y=[row[channel] for row in series["values"]], mode="lines",
+                hovertemplate=f"{label}: %{{y:.0f}}%<extra>{series['source']}</extra>"))
+    in_legend: set[str] = set()
+    for mode, start_s, end_s in _step_spans(report.utilization_marks):
+        # One legend entry per mode; the other bands of that mode toggle with it.
+        figure.add_vrect(x0=start_s, x1=end_s, fillcolor=MODE_COLORS.get(mode, "#bcbd22"), opacity=0.15,
+                         line_width=0, layer="below", name=f"{mode} steps", legendgroup=mode,
+                         showlegend=mode not in in_legend)
+        in_legend.add(mode)
+    sources = ", ".join(series["source"] for series in report.utilization_series)
+    figure.update_layout(title=f"Utilization per channel ({sources})", xaxis_title="s since sampling started",
+                         yaxis_title="utilization %", yaxis_range=[0, 105])
+    return figure
+
+
+def _step_spans(marks: list) -> list[tuple[str, float, float]]:
+    """``(mode, start_s, end_s)`` for each "<mode> step N start" / "... end" pair;
+    a step whose end was never marked has no span."""
+    starts: dict[str, float] = {}
+    spans = []
+    for label, seconds in marks:
+        match = _STEP_MARK.match(label)
+        if match is None:
+            continue
+        if match["edge"] == "start":
+            starts[match["step"]] = seconds
+        elif match["step"] in starts:
+            spans.append((match["mode"], starts.pop(match["step"]), seconds))
+    return spans
+
+
+# ---- roofline --------------------------------------------------------------------------------
+
+
+def roofline_figure(report: ProfileReport) -> go.Figure:
+    """Achieved GFLOP/s against arithmetic intensity per op kind, log-log, under the
+    device's memory ceiling (bandwidth x intensity) and, where known, its fp32 peak."""
+    figure = go.Figure()
+    intensities = []
+    for mode in MODES:
+        # A log axis cannot place zero: ops with no FLOPs (or no time) have no point.
+        points = [p for p in report.roofline if p.mode == mode and p.arithmetic_intensity and p.achieved_gflops]
+        intensities += [p.arithmetic_intensity for p in points]
+        figure.add_trace(go.Scatter(
+            name=mode, mode="markers+text", marker_color=MODE_COLORS[mode], textposition="top center",
+            x=[p.arithmetic_intensity for p in points], y=[p.achieved_gflops for p in points],
+            text=[p.name for p in points], customdata=[(p.achieved_gbs or 0.0, p.time_ms) for p in points],
+            hovertemplate=(f"%{{text}} ({mode})<br>%{{x:.3g}} FLOP/byte<br>%{{y:.3g}} GFLOP/s<br>"
+                           "%{customdata[0]:.3g} GB/s, %{customdata[1]:.3f} ms<extra></extra>")))
+    ceilings = report.ceilings
+    if ceilings is not None:
+        bandwidth = ceilings.memory_bandwidth_gbs
+        peak_gflops = ceilings.fp32_tflops * 1e3 if ceilings.fp32_tflops else None
+        ridge = peak_gflops / bandwidth if peak_gflops else None  # where memory and compute ceilings meet
+        span = intensities + ([ridge] if ridge else [])
+        low, high = (min(span) / 4, max(span) * 4) if span else (0.01, 100.0)
+        memory_end = ridge if ridge else high
+        figure.add_trace(go.Scatter(
+            name="memory ceiling", mode="lines", line={"color": "black", "dash": "dash"},
+            x=[low, memory_end], y=[bandwidth * low, bandwidth * memory_end],
+            hovertemplate=f"{bandwidth:.3g} GB/s x intensity<extra>{ceilings.source}</extra>"))
+        if peak_gflops:
+            figure.add_trace(go.Scatter(
+                name="fp32 compute ceiling", mode="lines", line={"color": "black"},
+                x=[ridge, high], y=[peak_gflops, peak_gflops],
+                hovertemplate=f"{ceilings.fp32_tflops:.3g} TFLOP/s fp32<extra>{ceilings.source}</extra>"))
+    source = f" (ceilings: {ceilings.source})" if ceilings is not None else ""
+    figure.update_layout(title=f"Roofline per op kind{source}", xaxis_type="log", yaxis_type="log",
+                         xaxis_title="arithmetic intensity, FLOP/byte", yaxis_title="achieved GFLOP/s")
+    return figure
+
+
+# ---- headline cards -------------------------------------------------------------------------
+
+
+def summary_cards(report: ProfileReport) -> list[tuple[str, str]]:
+    """``(title, value)`` pairs for the dashboard's headline row."""
+    eager, fused = report.modes["eager"], report.modes["fused"]
+    totals = report.totals
+    return [
+        ("step time", f"eager {eager.step_median_ms:.3f} ms / fused {fused.step_median_ms:.3f} ms"),
+        ("speedup", _ratio(totals.speedup if totals else None)),
+        ("time saved per step", f"{totals.time_saved_ms:.3f} ms" if totals else "-"),
+        ("launches saved", str(totals.launches_saved) if totals else "-"),
+        ("bytes saved (estimate)", _mib(totals.bytes_saved_estimate) if totals else "-"),
+        ("peak memory", f"eager {_mib(eager.peak_memory_bytes)} / fused {_mib(fused.peak_memory_bytes)}"),
+        ("modules fused", str(sum(module.key != OTHER_KEY for module in report.modules))),
+    ]
+
+
+def _ratio(value: float | None) -> str:
+    # NaN: the report's speedup when the fused step took no time.
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
