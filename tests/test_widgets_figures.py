@@ -4,6 +4,9 @@ known numbers (exact assertions) and from one real tiny-Llama profile (everythin
 import pytest
 import torch
 
+pytest.importorskip("ipywidgets")  # the Triton 3.2 test environment has no notebook stack
+pytest.importorskip("plotly")
+
 import te_lab
 from te_lab import models
 from te_lab.profiler.report import (

@@ -203,12 +203,12 @@ class ProfileReport:
         return (f'<div class="te-lab-profile"><pre>{summary}</pre><table><thead><tr>{head}</tr></thead>'
                 f"<tbody>{body}</tbody></table></div>")
 
-    def show(self):
+    def show(self) -> None:
         """The dashboard in a notebook (``te_lab.widgets.Dashboard``); the text summary
         where no widget frontend runs (plain Python, a terminal, a CI log)."""
         from te_lab.widgets.display import show_report  # widgets load only when asked for
 
-        return show_report(self)
+        show_report(self)
 
     def to_html(self, path) -> "pathlib.Path":
         """One self-contained HTML file (plotly.js inlined, no network needed) with the

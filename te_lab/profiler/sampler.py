@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import psutil
 import torch
 
 
@@ -78,13 +77,18 @@ class _CpuCores(_Source):
     )
 
     def open(self) -> None:
+        # Imported here, not at module level, so that `import te_lab` stays light (the
+        # profiler is imported with te_lab; sampling happens only while profiling).
+        import psutil
+
+        self.cpu_percent = psutil.cpu_percent
         # psutil keeps the previous reading per thread, so this priming call must run
         # on the sampling thread; without it the first sample would compare against
         # nothing and read 0.
         self.labels = [f"cpu{i}" for i in range(len(self.read()))]
 
     def read(self) -> list[float]:
-        return [float(v) for v in psutil.cpu_percent(interval=None, percpu=True)]
+        return [float(v) for v in self.cpu_percent(interval=None, percpu=True)]
 
 
 class _NvmlStyleGpu(_Source):

@@ -17,15 +17,15 @@ def widget_frontend_available() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def show_report(report):
-    """Display ``report``'s dashboard and return it, or print its summary and return None."""
+def show_report(report) -> None:
+    """Display ``report``'s dashboard, or print its summary. Returns None, so ``report.show()``
+    as a cell's last line does not display the dashboard a second time (for the widget
+    object itself, use ``te_lab.widgets.Dashboard(report)``)."""
     if not widget_frontend_available():
         print(report.summary())
-        return None
+        return
     from IPython.display import display
 
     from .dashboard import Dashboard
 
-    dashboard = Dashboard(report)
-    display(dashboard)
-    return dashboard
+    display(Dashboard(report))

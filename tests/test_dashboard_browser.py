@@ -1,0 +1,214 @@
+"""The dashboard as a user sees it: a real JupyterLab on 127.0.0.1, driven by Chromium
+through Playwright. A notebook fuses and profiles the tiny demo Llama and shows the
+dashboard; the test runs all cells and reads the DOM: the widget rendered, the plotly
+charts have their SVG and the expected bars, the group-by control redraws the bars,
+clicking a bar fills the details panel, no cell shows an error. The static HTML export
+then opens in the same browser with the network blocked and must draw its charts.
+
+Screenshots go to test-artifacts/ (git-ignored). CI installs Debian's chromium
+(.ci/run); elsewhere the test is skipped when chromium is missing.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+pytest.importorskip("jupyterlab")
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+TIMEOUT_MS = 180_000
+
+if not Path(CHROMIUM).exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"the browser test needs {CHROMIUM}; .ci/run installs Debian's chromium")
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+
+pytestmark = pytest.mark.browser
+
+NOTEBOOK_CELLS = [
+    "import te_lab\nfrom te_lab import models",
+    "model = models.llama('tiny', seed=0)\nbatch = model.example_batch(2, 16)\n"
+    "fusion = te_lab.fuse(model, sample=batch, progress=False)\nlen(fusion.fused)",
+    "report = te_lab.profile(model, batch, steps=2, warmup=1)\nprint('kinds', len(report.kinds), "
+    "'modules', len(report.modules))",
+    "report.show()",
+    "report.to_html('report.html')",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def write_notebook(path: Path) -> None:
+    cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
+             for source in NOTEBOOK_CELLS]
+    notebook = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                                            "language": "python"}},
+                "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(notebook), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """A JupyterLab server of its own: free port, no token, its own HOME and root dir."""
+    home = tmp_path_factory.mktemp("home")
+    root = tmp_path_factory.mktemp("root")
+    config = home / "jupyter-config"
+    (config / "labconfig").mkdir(parents=True)
+    # The "Jupyter news" notice would cover the screenshots.
+    (config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    write_notebook(root / "dashboard.ipynb")
+    port = free_port()
+    environment = {**os.environ, "HOME": str(home), "JUPYTER_CONFIG_DIR": str(config),
+                   "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "IPYTHONDIR": str(home / "ipython")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", "--IdentityProvider.token=",
+         "--ServerApp.password=", f"--ServerApp.root_dir={root}"],
+        env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not start:\n{server.stdout.read()}") from None
+                time.sleep(0.5)
+        yield url, root, home
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def browser(jupyterlab):
+    _, _, home = jupyterlab
+    with playwright_api.sync_playwright() as playwright:
+        instance = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-background-networking", "--disable-gpu", "--no-first-run",
+                  "--disable-component-update", "--disable-sync"],
+            env={**os.environ, "HOME": str(home)})
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+def run_all_cells(page) -> None:
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=TIMEOUT_MS)
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {len(NOTEBOOK_CELLS)}",
+                           timeout=TIMEOUT_MS)
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_text("Run All Cells", exact=True).click()
+    # every cell has run when the last one shows its execution count
+    page.wait_for_function(
+        "[...document.querySelectorAll('.jp-InputArea-prompt')].every(p => /\\[\\d+\\]/.test(p.textContent))",
+        timeout=TIMEOUT_MS)
+
+
+def bars(dashboard) -> int:
+    return dashboard.locator(".js-plotly-plot").first.locator("g.trace.bars g.point").count()
+
+
+def wait_for_ticks(page, count: int) -> None:
+    """Until the gains chart (the first plot) has ``count`` x-axis labels."""
+    page.wait_for_function(
+        "n => { const plot = document.querySelector('.te-lab-dashboard .js-plotly-plot');"
+        " return plot !== null && plot.querySelectorAll('g.xtick').length === n; }", arg=count, timeout=TIMEOUT_MS)
+
+
+def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
+    url, root, _ = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/lab/tree/dashboard.ipynb", timeout=TIMEOUT_MS)
+    run_all_cells(page)
+    dashboard = page.locator(".te-lab-dashboard")
+    dashboard.wait_for(timeout=TIMEOUT_MS)
+    counts = page.locator(".jp-OutputArea-output pre", has_text="modules").first.text_content().split()
+    kinds, modules = int(counts[1]), int(counts[3])
+
+    # the gains chart: a pair of bars (eager, fused) per op kind, one axis label each
+    gains = dashboard.locator(".js-plotly-plot").first
+    gains.locator("svg.main-svg").first.wait_for(timeout=TIMEOUT_MS)
+    wait_for_ticks(page, kinds)
+    assert bars(dashboard) == 2 * kinds
+    assert "speedup" in dashboard.locator(".te-lab-cards").text_content()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-gains.png"), full_page=True)
+
+    # group by module instance: a pair of bars per module
+    dashboard.locator("select").first.select_option(label="module instance")
+    wait_for_ticks(page, modules)
+    assert bars(dashboard) == 2 * modules
+    labels = gains.locator("g.xtick text").all_text_contents()
+    assert "model.layers.0.mlp" in labels and len(labels) == modules
+
+    # a click on a bar (the tallest, so it is easy to hit) fills the details panel; plotly
+    # takes clicks on its drag layer at the pointer's position, so click there
+    boxes = [box for box in (path.bounding_box() for path in gains.locator("g.trace.bars g.point path").all()) if box]
+    tallest = max(boxes, key=lambda box: box["height"])
+    page.mouse.move(tallest["x"] + tallest["width"] / 2, tallest["y"] + tallest["height"] / 2)
+    page.mouse.click(tallest["x"] + tallest["width"] / 2, tallest["y"] + tallest["height"] / 2)
+    details = dashboard.locator(".te-lab-details")
+    try:
+        details.wait_for(timeout=60_000)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard-details.png"), full_page=True)
+    assert "speedup" in details.text_content() and "launches" in details.text_content()
+
+    # the other tabs draw their charts
+    for tab in ("Timeline", "Utilization", "Roofline"):
+        dashboard.get_by_role("tab", name=tab).click()
+        page.wait_for_timeout(500)
+    assert dashboard.locator(".js-plotly-plot svg.main-svg").count() >= 4
+    page.screenshot(path=str(ARTIFACTS / "dashboard-roofline.png"), full_page=True)
+
+    assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0
+    page.close()
+
+
+def test_the_static_export_renders_offline(jupyterlab, browser):
+    _, root, _ = jupyterlab
+    export = root / "report.html"
+    assert export.exists(), "the notebook's last cell writes report.html (run the dashboard test first)"
+    context = browser.new_context()
+    requests = []
+
+    def block_network(route):
+        requests.append(route.request.url)
+        if route.request.url.startswith("file:"):
+            route.continue_()
+        else:
+            route.abort()
+
+    context.route("**/*", block_network)
+    page = context.new_page()
+    page.goto(export.as_uri(), timeout=TIMEOUT_MS)
+    page.wait_for_function("document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= 4",
+                           timeout=TIMEOUT_MS)
+    assert page.locator(".plotly-graph-div").count() == 4
+    assert [url for url in requests if not url.startswith("file:")] == []
+    page.screenshot(path=str(ARTIFACTS / "static-export.png"), full_page=True)
+    shutil.copy(export, ARTIFACTS / "static-export.html")
+    context.close()
