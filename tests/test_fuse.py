@@ -557,3 +557,13 @@ def test_progress_bar_shows_while_probing(capsys):
     te_lab.unfuse(model)
     te_lab.fuse(model, progress=False)
     assert "te_lab.fuse: probing" not in capsys.readouterr().err
+
+
+def test_a_dry_run_probes_everything_and_swaps_nothing():
+    model = models.llama("tiny", seed=17)
+    before = {name: id(m) for name, m in model.named_modules()}
+    report = te_lab.fuse(model, sample=model.example_batch(2, 16), dry_run=True)
+    assert {row.status for row in report.rows} == {"would-fuse"} and len(report.rows) == 4 * LAYERS + 2
+    assert all(row.output_max_abs is not None for row in report.rows)
+    assert {name: id(m) for name, m in model.named_modules()} == before and not te_lab.is_fused(model)
+    assert "dry run: nothing was swapped" in str(report)

@@ -227,11 +227,12 @@ def _progress(items: list, enabled: Optional[bool], description: str):
 
 
 class _Fuser:
-    def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, auto: bool,
+    def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, auto: bool, dry_run: bool,
                  captured: dict[str, ProbeInputs], device: torch.device):
-        self.model, self.options, self.verify, self.auto = model, options, verify, auto
+        self.model, self.options, self.verify, self.auto, self.dry_run = model, options, verify, auto, dry_run
         self.captured, self.device = captured, device
         self.swaps: list[Swap] = []
+        self.replaced: list[str] = []  # paths whose module a twin replaced (or would replace, in a dry run)
 
     def process(self, candidate: Candidate) -> reports.FusionRow:
         reasons = []
@@ -292,6 +293,11 @@ class _Fuser:
                     row.reason = (f"fused {row.time_fused_ms:.3g} ms vs original {row.time_original_ms:.3g} ms "
                                   f"(forward + backward, median)")
                     return row
+            if not match.replaces_forward:
+                self.replaced.append(candidate.path)
+            if self.dry_run:
+                row.status = reports.WOULD_FUSE
+                return row
             swap = Swap(candidate.path, rule.name, module, twin,
                         [] if match.replaces_forward else _sites(self.model, module))
             swap.install()
@@ -334,7 +340,8 @@ def _check_backend(backend) -> Optional[str]:
 
 
 def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backend: str = "auto",
-         verify: bool = True, auto: bool = False, progress: Optional[bool] = None) -> reports.FusionReport:
+         verify: bool = True, auto: bool = False, dry_run: bool = False,
+         progress: Optional[bool] = None) -> reports.FusionReport:
     """Swap ``model``'s layers for fused twins, in place, and report what was done.
 
     - ``sample``: inputs for ``model`` (a tensor, a tuple of positional arguments or a
@@ -347,6 +354,8 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     - ``verify=False`` swaps without probing (not recommended).
     - ``auto=True`` times each verified twin against its original (forward + backward
       on the probe, interleaved medians) and keeps only the faster ones.
+    - ``dry_run=True`` finds, builds and probes (and with ``auto``, times) every candidate
+      but swaps nothing: rows that would be fused say ``would-fuse``.
     - ``progress``: show a progress bar (default: where a terminal or notebook shows one).
     """
     if not isinstance(model, nn.Module):
@@ -370,19 +379,17 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         except Exception as error:
             raise ValueError(f"te_lab.fuse: running the model on sample failed: {type(error).__name__}: {error}") \
                 from error
-    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, captured, device)
+    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, dry_run, captured, device)
     rows = []
-    replaced: list[str] = []
     show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
     for candidate in _progress(candidates, show_progress, "te_lab.fuse: probing"):
-        if any(candidate.path.startswith(p + ".") for p in replaced):
+        if any(candidate.path.startswith(p + ".") for p in fuser.replaced):
             continue  # inside a module already replaced by a twin that covers it
-        row = fuser.process(candidate)
-        rows.append(row)
-        if row.status == reports.FUSED and fuser.swaps and fuser.swaps[-1].sites:
-            replaced.append(candidate.path)
+        rows.append(fuser.process(candidate))
     model.__dict__.setdefault(STATE_ATTRIBUTE, []).extend(fuser.swaps)
     report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
+    if dry_run:
+        report.notes.append("dry run: nothing was swapped")
     if sample_inputs is not None and fuser.swaps:
         report.model_check = _model_check(model, sample_inputs, before, device)
     if any(row.rule == "lm_head_loss" and row.status == reports.FUSED for row in rows):

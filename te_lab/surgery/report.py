@@ -13,8 +13,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-FUSED, SKIPPED, KEPT_SLOWER = "fused", "skipped", "kept-original-slower"
-STATUSES = (FUSED, SKIPPED, KEPT_SLOWER)
+FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE = "fused", "skipped", "kept-original-slower", "would-fuse"
+STATUSES = (FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE)
 ROOT_LABEL = "(model)"
 
 
@@ -144,7 +144,7 @@ class FusionReport:
         return cls(**data)
 
 
-_STATUS_COLOURS = {FUSED: "green", SKIPPED: "#a05a00", KEPT_SLOWER: "#555"}
+_STATUS_COLOURS = {FUSED: "green", SKIPPED: "#a05a00", KEPT_SLOWER: "#555", WOULD_FUSE: "#2a6fb0"}
 
 
 def _error(value: Optional[float]) -> str:
