@@ -8,9 +8,24 @@ from te_lab import device, kernels, models, modules
 from te_lab.profiler import ProfileReport, profile
 from te_lab.kernels import use_backend
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
-                            fuse, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
+                            fuse, fusions, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(shell) -> None:
+    """``%load_ext te_lab``: the magics (see ``te_lab.extensions``)."""
+    from te_lab.extensions import load_ipython_extension as load
+
+    load(shell)
+
+
+def unload_ipython_extension(shell) -> None:
+    """``%unload_ext te_lab``."""
+    from te_lab.extensions import unload_ipython_extension as unload
+
+    unload(shell)
+
 
 __all__ = [
     "BuildOptions",
@@ -26,7 +41,9 @@ __all__ = [
     "device",
     "fuse",
     "is_fused",
+    "fusions",
     "kernels",
+    "load_ipython_extension",
     "models",
     "modules",
     "profile",
@@ -34,6 +51,7 @@ __all__ = [
     "rules",
     "unfuse",
     "unfused",
+    "unload_ipython_extension",
     "unregister_rule",
     "use_backend",
 ]

@@ -4,7 +4,7 @@
 widgets or plotly (the dashboard draws the report).
 """
 
-from .engine import profile
+from .engine import profile, profile_statement
 from .report import ProfileReport
 
-__all__ = ["ProfileReport", "profile"]
+__all__ = ["ProfileReport", "profile", "profile_statement"]

@@ -113,6 +113,14 @@ def _model_labels(model: nn.Module) -> Callable[[], dict]:
     return lambda: {key: model.get_submodule(path) for key, path in paths.items()}
 
 
+def _key_info(model: nn.Module) -> dict:
+    """Key -> (op kind, the original module's type) for every fusion of ``model``."""
+    model_fusions = fusions(model)
+    with unfused(model):
+        originals = {f.path: type(model.get_submodule(f.path)).__name__ for f in model_fusions}
+    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, originals[f.path]) for f in model_fusions}
+
+
 def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
     """The two modes, a description of the target, and key -> (kind, module type)."""
     if isinstance(target, nn.Module):
@@ -122,17 +130,10 @@ def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
         prepared, input_leaves = _floating_leaves(inputs)
         leaves = [p for p in target.parameters() if p.requires_grad] + input_leaves
         run = _caller(target, prepared)
-        model_fusions = fusions(target)
-        key_info = {}
-        with unfused(target):
-            originals = {f.path: type(target.get_submodule(f.path)).__name__ for f in model_fusions}
-        for fusion in model_fusions:
-            key = LOSS_KEY if fusion.replaces_forward else fusion.path
-            key_info[key] = (fusion.kind, originals[fusion.path])
         labels = _model_labels(target)
         modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels),
                  _Mode("fused", run, contextlib.nullcontext, leaves, labels)]
-        return modes, type(target).__name__, key_info
+        return modes, type(target).__name__, _key_info(target)
     if isinstance(target, tuple) and len(target) == 2 and all(callable(t) for t in target):
         prepared, leaves = _floating_leaves(inputs)
         baseline, candidate = target
@@ -202,13 +203,70 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     ``progress(done, total)`` is called after every step (for progress bars). The report
     can re-run itself with the same arguments: ``report.rerun(progress=...)``.
     """
+    _check_counts(steps, warmup)
+    modes, description, key_info = _modes(target, inputs)
+    dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
+    report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup, backward,
+                      progress)
+    # Not a dataclass field: a live hook, absent from JSON (a loaded report cannot re-run).
+    report.rerun = functools.partial(profile, target, inputs, steps=steps, warmup=warmup, backward=backward,
+                                     device=device)
+    return report
+
+
+def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, warmup: int = 2,
+                      backward: bool = True, device=None,
+                      progress: Optional[Callable[[int, int], None]] = None) -> ProfileReport:
+    """Profile code that uses fused models (what ``%te_profile`` runs): "eager" runs
+    ``run()`` with every model in ``models`` (name -> fused model) inside
+    ``te_lab.unfused``, "fused" as they are. Module keys are the models' module paths,
+    prefixed by the model's name when there are several. With ``backward``, the value
+    ``run()`` returns is differentiated as in :func:`profile`."""
+    _check_counts(steps, warmup)
+    if not models:
+        raise ValueError("te_lab.profile_statement: models is empty; fuse a model first (te_lab.fuse)")
+    for name, model in models.items():
+        if not isinstance(model, nn.Module) or not is_fused(model):
+            raise ValueError(f"te_lab.profile_statement: models[{name!r}] is not a model with te_lab fusions")
+    several = len(models) > 1
+    labels_of = {name: _model_labels(model) for name, model in models.items()}
+    key_info = {}
+    for name, model in models.items():
+        for key, info in _key_info(model).items():
+            key_info[f"{name}.{key}" if several else key] = info
+
+    def labels() -> dict:
+        return {f"{name}.{key}" if several else key: module
+                for name, resolve in labels_of.items() for key, module in resolve().items()}
+
+    def all_unfused():
+        stack = contextlib.ExitStack()
+        for model in models.values():
+            stack.enter_context(unfused(model))
+        return stack
+
+    leaves = [p for model in models.values() for p in model.parameters() if p.requires_grad]
+    modes = [_Mode("eager", run, all_unfused, leaves, labels), _Mode("fused", run, contextlib.nullcontext, leaves,
+                                                                     labels)]
+    first = next(iter(models.values()))
+    dev = devices.resolve(device) if device is not None else _device_of(first, None)
+    report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
+                      backward, progress)
+    report.rerun = functools.partial(profile_statement, run, models, steps=steps, warmup=warmup, backward=backward,
+                                     device=device)
+    return report
+
+
+def _check_counts(steps, warmup) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"te_lab.profile: steps must be a positive integer, got {steps!r}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"te_lab.profile: warmup must be a non-negative integer, got {warmup!r}")
-    modes, description, key_info = _modes(target, inputs)
-    dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
-    report = ProfileReport(_environment(dev, target, inputs, description), formulas=dict(FORMULAS))
+
+
+def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps: int, warmup: int,
+             backward: bool, progress) -> ProfileReport:
+    report = ProfileReport(environment, formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
     total = len(modes) * (warmup + steps + 1 + min(steps, PROFILED_STEPS))
     done = 0
@@ -253,9 +311,6 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     report.utilization_series = [vars(series) for series in sampler.series]
     report.utilization_marks = list(sampler.marks)
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
-    # Not a dataclass field: a live hook, absent from JSON (a loaded report cannot re-run).
-    report.rerun = functools.partial(profile, target, inputs, steps=steps, warmup=warmup, backward=backward,
-                                     device=device)
     return report
 
 

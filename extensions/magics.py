@@ -1,0 +1,217 @@
+"""te_lab's magics: %te_fuse, %te_unfuse, %te_profile / %%te_profile, %te_status.
+
+They parse arguments, call te_lab's public API and display the result; nothing else.
+A user's mistake (an unknown name, an expression that fails, a non-Module, a bad
+option or rule name, a missing device) raises ``UsageError`` with one sentence; an
+error inside the user's own statement under ``%te_profile`` propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.metadata
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from IPython.utils.process import arg_split
+from torch import nn
+
+import te_lab
+from te_lab import device as devices
+from te_lab.kernels import available_backends, registered_ops, select_backend
+from te_lab.kernels.registry import BACKENDS
+from te_lab.profiler import profile_statement
+
+VERSIONED = ("torch", "triton", "torch_musa", "transformers")
+
+
+def _statement_text(line: str, statement: list[str]) -> str:
+    """The statement as typed: the rest of the line from its first token on (re-joining
+    the split tokens would change spacing inside string literals)."""
+    if not statement:
+        return ""
+    position = 0
+    for token in arg_split(line, strict=False):
+        if token == statement[0]:
+            break
+        position = line.index(token, position) + len(token)
+    return line[line.index(statement[0], position):]
+
+
+def _names(value):
+    return None if value is None else [part.strip() for part in value.split(",") if part.strip()]
+
+
+@magics_class
+class TeLabMagics(Magics):
+    def _evaluate(self, expression: str, what: str):
+        try:
+            return self.shell.ev(expression)
+        except Exception as error:  # noqa: BLE001 - the user's expression; one clear sentence
+            raise UsageError(f"{what} {expression!r} could not be evaluated: {type(error).__name__}: {error}") from None
+
+    def _model(self, expression: str, magic: str) -> nn.Module:
+        model = self._evaluate(expression, f"{magic}: MODEL")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{magic}: MODEL {expression!r} is a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    @magic_arguments()
+    @argument("model", help="the model, an expression in your namespace (nets['big'], self.net, ...)")
+    @argument("--only", help="comma-separated rule names or module-path globs to fuse (see te_lab.rules())")
+    @argument("--exclude", help="comma-separated rule names or module-path globs to leave alone")
+    @argument("--backend", default="auto", choices=("auto",) + BACKENDS, help="backend forced on every fused op")
+    @argument("--sample", help="inputs for the model, an expression: a tensor, a tuple, or a dict of kwargs")
+    @argument("--no-verify", action="store_true", help="swap without probing each module (not recommended)")
+    @argument("--auto", action="store_true", help="time each twin and keep only those faster on this device")
+    @argument("--dry-run", action="store_true", help="probe the candidates but swap nothing")
+    @argument("-o", dest="output", metavar="VAR", help="store the FusionReport in this variable")
+    @argument("-q", dest="quiet", action="store_true", help="display nothing")
+    @line_magic
+    def te_fuse(self, line):
+        """Swap MODEL's layers for fused kernels in place, each swap probe-verified.
+
+        Example::
+
+            %te_fuse model --sample batch -o report
+            %te_fuse nets["big"] --exclude lm_head_loss,model.layers.0.* --auto
+        """
+        args = parse_argstring(self.te_fuse, line)
+        model = self._model(args.model, "%te_fuse")
+        sample = None if args.sample is None else self._evaluate(args.sample, "%te_fuse: --sample")
+        try:
+            report = te_lab.fuse(model, sample=sample, only=_names(args.only), exclude=_names(args.exclude),
+                                 backend=args.backend, verify=not args.no_verify, auto=args.auto,
+                                 dry_run=args.dry_run)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise UsageError(f"%te_fuse: {error}") from None
+        if args.output:
+            self.shell.user_ns[args.output] = report
+        if not args.quiet:
+            display(report)
+
+    @magic_arguments()
+    @argument("model", help="the fused model, an expression in your namespace")
+    @line_magic
+    def te_unfuse(self, line):
+        """Put MODEL's original modules back; says what it restored.
+
+        Example::
+
+            %te_unfuse model
+        """
+        args = parse_argstring(self.te_unfuse, line)
+        print(te_lab.unfuse(self._model(args.model, "%te_unfuse")))
+
+    @magic_arguments()
+    @argument("--model", help="the fused model to switch (default: every fused model in the namespace)")
+    @argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
+    @argument("--warmup", type=int, default=2, help="untimed steps per mode first (default 2)")
+    @argument("--no-backward", action="store_true", help="do not differentiate the statement's value")
+    @argument("--html", metavar="PATH", help="also write the static report to PATH (.html)")
+    @argument("-o", dest="output", metavar="VAR", help="store the ProfileReport in this variable")
+    @argument("statement", nargs=argparse.REMAINDER, help="the code to profile (the line form)")
+    @line_cell_magic
+    def te_profile(self, line, cell=None):
+        """Run STATEMENT with fusion off and on, profile both, and show the dashboard.
+
+        A statement that is an expression (``model(**batch)``) has its value's loss
+        differentiated, as te_lab.profile does; other code runs as it is (put your own
+        ``.backward()`` in it). The cell form profiles the whole cell.
+
+        Example::
+
+            %te_profile --model model model(**batch)
+            %%te_profile --steps 3 --html report.html
+            loss = model(**batch).loss
+            loss.backward()
+        """
+        args = parse_argstring(self.te_profile, line)
+        if cell is not None:
+            if args.statement:
+                raise UsageError("%%te_profile: the code goes in the cell body, not on the magic's line")
+            self._profile(args, cell)
+        else:
+            self._profile(args, _statement_text(line, args.statement))
+
+    def _fused_models(self, expression) -> dict:
+        if expression is not None:
+            model = self._model(expression, "%te_profile: --model")
+            if not te_lab.is_fused(model):
+                raise UsageError(f"%te_profile: --model {expression!r} has no te_lab fusions; run %te_fuse first")
+            return {expression: model}
+        found = {name: value for name, value in self.shell.user_ns.items()
+                 if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)}
+        if not found:
+            raise UsageError("%te_profile: no fused model in the namespace; run %te_fuse MODEL first or pass --model")
+        return found
+
+    def _profile(self, args, code: str) -> None:
+        if not code.strip():
+            raise UsageError("%te_profile: give the statement to profile")
+        if args.html is not None and not args.html.lower().endswith((".html", ".htm")):
+            raise UsageError(f"%te_profile: --html must name an .html file, got {args.html!r}")
+        models = self._fused_models(args.model)
+        try:
+            tree = ast.parse(code, mode="eval")
+            compiled, is_expression = compile(tree, "<te_profile>", "eval"), True
+        except SyntaxError:
+            try:
+                compiled, is_expression = compile(code, "<te_profile>", "exec"), False
+            except SyntaxError as error:
+                raise UsageError(f"%te_profile: the statement is not valid Python: {error}") from None
+        namespace = self.shell.user_ns
+
+        def run():
+            if is_expression:
+                return eval(compiled, namespace)
+            exec(compiled, namespace)
+            return None
+
+        try:
+            report = profile_statement(run, models, steps=args.steps, warmup=args.warmup,
+                                       backward=is_expression and not args.no_backward)
+        except ValueError as error:
+            if "steps must" in str(error) or "warmup must" in str(error):
+                raise UsageError(f"%te_profile: {error}") from None
+            raise
+        if args.html:
+            print(f"static report written to {report.to_html(args.html)}")
+        if args.output:
+            self.shell.user_ns[args.output] = report
+        report.show()
+
+    @line_magic
+    def te_status(self, line):
+        """Devices, backends per op, versions, and the fused models in the namespace.
+
+        Example::
+
+            %te_status
+        """
+        if line.strip():
+            raise UsageError(f"%te_status takes no arguments, got {line.strip()!r}")
+        default = devices.default_device()
+        lines = [f"devices: {', '.join(str(d) for d in devices.available_devices())} (default {default}: "
+                 f"{devices.device_name(default)})", f"backends on {default} (auto choice first):"]
+        for name, op in registered_ops().items():
+            chosen = select_backend(op, default)
+            others = [b for b in available_backends(op, default) if b != chosen]
+            lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
+        versions = []
+        for package in VERSIONED:
+            try:
+                versions.append(f"{package} {importlib.metadata.version(package.replace('_', '-'))}")
+            except importlib.metadata.PackageNotFoundError:
+                versions.append(f"{package} not installed")
+        lines.append("versions: " + ", ".join(versions) + f"; te_lab {te_lab.__version__}; "
+                     f"{torch.get_num_threads()} CPU threads")
+        fused = [(name, value) for name, value in self.shell.user_ns.items()
+                 if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)]
+        lines.append("fused models: " + (", ".join(f"{name} ({len(te_lab.fusions(value))} fused modules)"
+                                                   for name, value in fused) or "none"))
+        print("\n".join(lines))
