@@ -138,14 +138,17 @@ class TeLabMagics(Magics):
         else:
             self._profile(args, _statement_text(line, args.statement))
 
+    def _fused_in_namespace(self) -> dict:
+        return {name: value for name, value in self.shell.user_ns.items()
+                if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)}
+
     def _fused_models(self, expression) -> dict:
         if expression is not None:
             model = self._model(expression, "%te_profile: --model")
             if not te_lab.is_fused(model):
                 raise UsageError(f"%te_profile: --model {expression!r} has no te_lab fusions; run %te_fuse first")
             return {expression: model}
-        found = {name: value for name, value in self.shell.user_ns.items()
-                 if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)}
+        found = self._fused_in_namespace()
         if not found:
             raise UsageError("%te_profile: no fused model in the namespace; run %te_fuse MODEL first or pass --model")
         return found
@@ -210,8 +213,6 @@ class TeLabMagics(Magics):
                 versions.append(f"{package} not installed")
         lines.append("versions: " + ", ".join(versions) + f"; te_lab {te_lab.__version__}; "
                      f"{torch.get_num_threads()} CPU threads")
-        fused = [(name, value) for name, value in self.shell.user_ns.items()
-                 if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)]
         lines.append("fused models: " + (", ".join(f"{name} ({len(te_lab.fusions(value))} fused modules)"
-                                                   for name, value in fused) or "none"))
+                                                   for name, value in self._fused_in_namespace().items()) or "none"))
         print("\n".join(lines))
