@@ -56,7 +56,8 @@ def test_clicking_a_bar_fills_the_details_panel(report):
     dashboard._show_details(trace, Points(point_inds=[index], xs=[trace.x[index]], ys=[trace.y[index]],
                                           trace_name="fused", trace_index=1), None)
     assert "model.layers.0.mlp" in dashboard.details.value
-    assert "te_lab::glu" in dashboard.details.value and "GB/s" in dashboard.details.value
+    assert "te_lab::glu [[2, 16, 176], [2, 16, 176]]" in dashboard.details.value  # the op and its input shapes
+    assert "GB/s" in dashboard.details.value and "probe (sample): output max abs err" in dashboard.details.value
 
 
 def test_rerun_profiles_again_with_progress_and_redraws(report):

@@ -130,8 +130,10 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         trace.launches += launches
         trace.op_us += duration_us
         if not on_gpu:
+            recorded = kineto.get(event.id)
+            shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
-                                                f"thread {event.thread}", key or "", phase))
+                                                f"thread {event.thread}", key or "", phase, shapes))
         if key is None:
             continue
         region = trace.regions.setdefault(key, Region())

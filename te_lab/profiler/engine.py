@@ -114,11 +114,14 @@ def _model_labels(model: nn.Module) -> Callable[[], dict]:
 
 
 def _key_info(model: nn.Module) -> dict:
-    """Key -> (op kind, the original module's type) for every fusion of ``model``."""
+    """Key -> (op kind, the original module's type, the fusion probe's errors) for every
+    fusion of ``model``."""
     model_fusions = fusions(model)
     with unfused(model):
         originals = {f.path: type(model.get_submodule(f.path)).__name__ for f in model_fusions}
-    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, originals[f.path]) for f in model_fusions}
+    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, originals[f.path],
+                                                           getattr(f.twin, "verification", ""))
+            for f in model_fusions}
 
 
 def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
@@ -140,13 +143,13 @@ def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
         names = (getattr(baseline, "__name__", "baseline"), getattr(candidate, "__name__", "candidate"))
         return ([_Mode("eager", _caller(baseline, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict),
                  _Mode("fused", _caller(candidate, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict)],
-                f"{names[0]} vs {names[1]}", {TARGET_KEY: ("other", " vs ".join(names))})
+                f"{names[0]} vs {names[1]}", {TARGET_KEY: ("other", " vs ".join(names), "")})
     if callable(target):
         prepared, leaves = _floating_leaves(inputs)
         run = _caller(target, prepared, TARGET_KEY)
         name = getattr(target, "__name__", type(target).__name__)
         return ([_Mode("eager", run, lambda: use_backend("reference"), leaves, dict),
-                 _Mode("fused", run, contextlib.nullcontext, leaves, dict)], name, {TARGET_KEY: ("other", name)})
+                 _Mode("fused", run, contextlib.nullcontext, leaves, dict)], name, {TARGET_KEY: ("other", name, "")})
     raise TypeError(f"te_lab.profile: target must be a fused nn.Module, a callable or a (baseline, candidate) "
                     f"pair of callables, got {type(target).__name__}")
 
@@ -374,10 +377,10 @@ def _summary(name: str, samples: list, profiled: _Profiled, backward: bool, devi
 def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
     keys = list(key_info) + [k for t in traces.values() for k in t.trace.regions if k not in key_info]
     for key in dict.fromkeys(keys):
-        kind, module_type = key_info.get(key, ("loss" if key == LOSS_KEY else "other", ""))
+        kind, module_type, verification = key_info.get(key, ("loss" if key == LOSS_KEY else "other", "", ""))
         report.modules.append(Comparison(key, kind, module_type,
                                          traces["eager"].trace.regions.get(key, Region()),
-                                         traces["fused"].trace.regions.get(key, Region())))
+                                         traces["fused"].trace.regions.get(key, Region()), verification))
     other = Comparison(OTHER_KEY, "other")
     for mode in ("eager", "fused"):
         trace = traces[mode].trace

@@ -70,6 +70,7 @@ class Comparison:
     module_type: str = ""
     eager: Region = field(default_factory=Region)
     fused: Region = field(default_factory=Region)
+    verification: str = ""  # the fusion probe's errors, when the profiled model was fused with a probe
 
     @property
     def speedup(self) -> Optional[float]:
@@ -116,6 +117,7 @@ class TimelineEvent:
     lane: str  # thread (CPU) or stream (GPU)
     path: str
     phase: str  # "forward" | "backward"
+    input_shapes: list = field(default_factory=list)  # of the op's tensor inputs, as recorded
 
 
 @dataclass
@@ -229,7 +231,7 @@ class ProfileReport:
     def from_dict(cls, data: dict) -> "ProfileReport":
         def comparison(entry: dict) -> Comparison:
             return Comparison(entry["key"], entry["kind"], entry.get("module_type", ""),
-                              Region(**entry["eager"]), Region(**entry["fused"]))
+                              Region(**entry["eager"]), Region(**entry["fused"]), entry.get("verification", ""))
 
         data = dict(data)
         data["environment"] = Environment(**data["environment"])

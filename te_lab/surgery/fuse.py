@@ -293,6 +293,10 @@ class _Fuser:
                     row.reason = (f"fused {row.time_fused_ms:.3g} ms vs original {row.time_original_ms:.3g} ms "
                                   f"(forward + backward, median)")
                     return row
+            if result is not None:
+                # Kept with the twin, so tools that meet it later (the profiler) can show it.
+                twin.verification = (f"probe ({source}): output max abs err {result.output_max_abs:.2g}, "
+                                     f"gradient max abs err {_or_dash(result.grad_max_abs)}")
             if not match.replaces_forward:
                 self.replaced.append(candidate.path)
             if self.dry_run:
@@ -313,6 +317,10 @@ class _Fuser:
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,
                                f"probe raised {type(error).__name__}: {error}")
+
+
+def _or_dash(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2g}"
 
 
 def _first_miss(reasons: list[str]) -> str:

@@ -114,7 +114,7 @@ class Dashboard(widgets.VBox):
             comparison = modules.get(key)
             if comparison is None:
                 continue
-            ops = sorted({e.name for e in self.report.timeline if e.path == key})
+            ops = sorted({f"{e.name} {e.input_shapes}" for e in self.report.timeline if e.path == key})
             for mode in ("eager", "fused"):
                 region = getattr(comparison, mode)
                 gbs = "-" if region.gbs is None else f"{region.gbs:.2f}"
@@ -123,7 +123,9 @@ class Dashboard(widgets.VBox):
                     f"{region.backward_ms:.3f}</td><td>{region.launches}</td>"
                     f"<td>{region.bytes_moved / 2**20:.2f}</td><td>{gbs}</td></tr>")
             if ops:
-                lines.append(f'<tr><td colspan="6">ops: {html.escape(", ".join(ops))}</td></tr>')
+                lines.append(f'<tr><td colspan="6">ops (input shapes): {html.escape("; ".join(ops))}</td></tr>')
+            if comparison.verification:
+                lines.append(f'<tr><td colspan="6">{html.escape(comparison.verification)}</td></tr>')
         speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
         return (f'<div class="te-lab-details"><b>{html.escape(label)}</b>: eager {row.eager_ms:.3f} ms, fused '
                 f"{row.fused_ms:.3f} ms, speedup {speedup}<table><tr><th>module</th><th>mode</th>"
