@@ -51,6 +51,7 @@ class FusedLMHeadLoss:
         self.replaced_instance_forward: Optional[Callable] = model.__dict__.get("forward")
         self.original_forward: Callable = self.replaced_instance_forward or type(model).forward.__get__(model)
         self._signature = forward_signature(self.original_forward)
+        self._body_signature = forward_signature(model._modules[body].forward)
 
     def __call__(self, *args, **kwargs):
         named = named_arguments(self._signature, args, kwargs)
@@ -59,8 +60,7 @@ class FusedLMHeadLoss:
             return self.original_forward(*args, **kwargs)
         num_items = named.get("num_items_in_batch")
         body = self.model._modules[self.body_name]
-        body_signature = forward_signature(body.forward)
-        body_output = body(**{name: value for name, value in named.items() if accepts(body_signature, name)})
+        body_output = body(**{name: value for name, value in named.items() if accepts(self._body_signature, name)})
         hidden = _last_hidden_state(body_output)
         weight, bias = linear_weight(self.model._modules[self.head_name])
         shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)

@@ -116,12 +116,9 @@ def _model_labels(model: nn.Module) -> Callable[[], dict]:
 def _key_info(model: nn.Module) -> dict:
     """Key -> (op kind, the original module's type, the fusion probe's errors) for every
     fusion of ``model``."""
-    model_fusions = fusions(model)
-    with unfused(model):
-        originals = {f.path: type(model.get_submodule(f.path)).__name__ for f in model_fusions}
-    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, originals[f.path],
+    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, f.original_type,
                                                            getattr(f.twin, "verification", ""))
-            for f in model_fusions}
+            for f in fusions(model)}
 
 
 def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:

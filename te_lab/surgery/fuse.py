@@ -97,6 +97,7 @@ class Fusion:
     rule: str
     kind: str
     twin: Any
+    original_type: str
 
     @property
     def replaces_forward(self) -> bool:
@@ -106,7 +107,8 @@ class Fusion:
 def fusions(model: nn.Module) -> list[Fusion]:
     """The fusions installed in ``model`` (oldest first)."""
     kinds = {rule.name: rule.kind for rule in rules()}
-    return [Fusion(swap.path, swap.rule, kinds.get(swap.rule, "other"), swap.twin) for swap in _swaps(model)]
+    return [Fusion(swap.path, swap.rule, kinds.get(swap.rule, "other"), swap.twin, type(swap.original).__name__)
+            for swap in _swaps(model)]
 
 
 # ---- selection: only= / exclude= ------------------------------------------------------
@@ -124,6 +126,9 @@ class Selection:
         self.only_rules, self.only_paths = self._parse("only", only, paths, names)
         self.exclude_rules, self.exclude_paths = self._parse("exclude", exclude, paths, names)
         self.enabled_rules = frozenset(set(self.only_rules or names) - set(self.exclude_rules))
+        # A rule is wanted when it, or a rule its twins carry out (rope for attention), is enabled.
+        self._wanted = {rule.name for rule in rules() if rule.name in self.enabled_rules}
+        self._wanted |= {rule.realized_by for rule in rules() if rule.realized_by and rule.name in self.enabled_rules}
 
     @staticmethod
     def _parse(argument: str, value, paths: list[str], names: list[str]) -> tuple[list[str], list[str]]:
@@ -153,8 +158,7 @@ class Selection:
     def allows(self, rule: FusionRule, path: str) -> bool:
         if rule.realized_by is not None:
             return False
-        carried = {r.name for r in rules() if r.realized_by == rule.name}
-        if rule.name not in self.enabled_rules and not (carried & self.enabled_rules):
+        if rule.name not in self._wanted:
             return False
         if self.only_paths and not any(_path_matches(path, p) for p in self.only_paths):
             return False

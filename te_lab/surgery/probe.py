@@ -218,17 +218,11 @@ def _prepared(inputs: ProbeInputs, names: list[str], constant: frozenset) -> tup
     return ProbeInputs(args, kwargs), differentiable
 
 
-def _is_constant(name: str, constant: frozenset) -> bool:
-    return name.split("[")[0] in constant
-
-
 def prepare(original: Callable, inputs: ProbeInputs, constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
     """Fresh copies of ``inputs`` for one call, and the differentiable ones among them:
     floating tensors not named constant, named as ``original``'s signature names them
     (the same names serve its fused twin, which may take ``*args, **kwargs``)."""
-    names = _argument_names(original, inputs)
-    constant_names = frozenset(n for n in names + list(inputs.kwargs) if _is_constant(n, constant))
-    return _prepared(inputs, names, constant_names)
+    return _prepared(inputs, _argument_names(original, inputs), constant)
 
 
 def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[tuple[str, Tensor]],
