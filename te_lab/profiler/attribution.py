@@ -58,7 +58,6 @@ class StepTrace:
     launches: int = 0
     attributed_us: float = 0.0
     op_us: float = 0.0  # all top-level op time
-    span_us: float = 0.0
     peak_memory_bytes: Optional[int] = None
     kernels: list = field(default_factory=list)  # DeviceKernel, on GPUs
 
@@ -121,7 +120,6 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     if not top_level:
         return trace
     start = min(e.time_range.start for e in top_level)
-    trace.span_us = max(e.time_range.end for e in top_level) - start
     for event in top_level:
         key, phase = key_and_phase(event)
         launches = _kernels_under(event) if on_gpu else 1

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE = "fused", "skipped", "kept-original-slower", "would-fuse"
-STATUSES = (FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE)
 ROOT_LABEL = "(model)"
 
 
