@@ -12,8 +12,11 @@ from te_lab.models import (
     LlamaLM,
     LMOutput,
     RMSNorm,
+    HUGGINGFACE_MODEL_NAMES,
     build_model,
+    example_batch,
     gpt2,
+    huggingface,
     llama,
 )
 from te_lab.models.llama import apply_rotary
@@ -193,6 +196,23 @@ def test_bad_names_are_reported_with_the_valid_ones():
         llama("tiny", num_kv_heads=3)
 
 
+def test_hugging_face_names_and_batches():
+    pytest.importorskip("transformers")
+    assert HUGGINGFACE_MODEL_NAMES[:3] == ("hf:llama-tiny", "hf:llama-mini", "hf:llama-small")
+    model = build_model("hf:qwen2", seed=3, num_layers=1)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_hidden_layers == 1
+    assert model.config.hidden_size == PRESETS["llama"]["tiny"].hidden_size
+    batch = example_batch(model, 3, 9, seed=4)
+    assert batch["input_ids"].shape == (3, 9) and torch.equal(batch["input_ids"], batch["labels"])
+    assert torch.equal(batch["input_ids"], llama("tiny").example_batch(3, 9, seed=4)["input_ids"])
+    with pytest.raises(ValueError, match=r"build_model\(name='hf:bert'\).*hf:llama-tiny.*hf:gpt2-small"):
+        build_model("hf:bert")
+    with pytest.raises(ValueError, match=r"huggingface\(architecture='bert'\)"):
+        huggingface("bert")
+    with pytest.raises(ValueError, match=r"example_batch\(seq=0\): expected a positive int"):
+        example_batch(model, 2, 0)
+
+
 def test_build_model_names():
     assert MODEL_NAMES == ("llama-tiny", "llama-mini", "llama-small", "gpt2-tiny", "gpt2-mini", "gpt2-small")
     model = build_model("gpt2-tiny", seed=1, device=DEVICE, num_layers=1)
@@ -226,42 +246,16 @@ def test_input_errors_name_the_argument():
         llama("tiny", device=DEVICE)(torch.zeros(1, 4, dtype=torch.long, device=DEVICE), attention_mask=mask)
 
 
-def _hf_llama(config):
-    transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings,
-        bos_token_id=None, eos_token_id=None,
-    )
-    hf_config._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(hf_config)
-
-
-def _hf_gpt2(config):
-    transformers = pytest.importorskip("transformers")
-    hf_config = transformers.GPT2Config(
-        vocab_size=config.vocab_size, n_positions=config.max_seq_len, n_embd=config.hidden_size,
-        n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.intermediate_size,
-        activation_function="gelu_new", layer_norm_epsilon=config.norm_eps,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-    )
-    hf_config._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(hf_config)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_state_dict_loads_into_hugging_face_and_computes_the_same(family):
+    pytest.importorskip("transformers")
     model = family("tiny", device="cpu")
     state = model.state_dict()
+    # huggingface() shapes its models like the demo preset of the same name.
+    hf_model = build_model(f"hf:{family.__name__}-tiny", seed=1, device="cpu")
     if family is gpt2:
-        hf_model = _hf_gpt2(model.config)
         # Hugging Face's GPT-2 projections are Conv1D: weights stored [in, out].
         state = {k: v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v for k, v in state.items()}
-    else:
-        hf_model = _hf_llama(model.config)
     hf_model.load_state_dict(state, strict=True)
     batch = model.example_batch(seq=20)
     out, hf_out = model(**batch), hf_model(**batch)

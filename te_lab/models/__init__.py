@@ -12,28 +12,43 @@ from torch import nn
 from .config import PRESETS, ModelConfig
 from .gpt2 import GPT2MLP, GPT2LM, GPT2Attention, GPT2Block, GPT2Body, gpt2
 from .llama import LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaLM, LlamaMLP, RMSNorm, RotaryEmbedding, llama
+from .batches import example_batch
 from .causal_lm import LMOutput
+from .huggingface import ARCHITECTURES, huggingface
 
 _CONSTRUCTORS = {"llama": llama, "gpt2": gpt2}
 
 MODEL_NAMES = tuple(f"{family}-{preset}" for family, presets in PRESETS.items() for preset in presets)
+HUGGINGFACE_MODEL_NAMES = tuple(f"hf:{architecture}-{preset}" for architecture, (family, _, _) in ARCHITECTURES.items()
+                                for preset in PRESETS[family])
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
-    """The model called ``name`` ("llama-tiny", "gpt2-small", ...); ``kwargs`` go to
-    :func:`llama` or :func:`gpt2` (seed, dtype, device, config overrides)."""
+    """The model called ``name``: a demo model ("llama-tiny", "gpt2-small", ...; ``kwargs``
+    go to :func:`llama` or :func:`gpt2`: seed, dtype, device, config overrides) or a
+    Hugging Face one ("hf:llama-tiny", "hf:qwen2-small", ...; "hf:llama" is
+    "hf:llama-tiny"; ``kwargs`` go to :func:`huggingface`)."""
+    if name.startswith("hf:"):
+        architecture, _, preset = name[len("hf:"):].partition("-")
+        full_name = f"hf:{architecture}-{preset or 'tiny'}"
+        if full_name not in HUGGINGFACE_MODEL_NAMES:
+            raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(HUGGINGFACE_MODEL_NAMES)}")
+        return huggingface(architecture, preset or "tiny", **kwargs)
     if name not in MODEL_NAMES:
-        raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(MODEL_NAMES)}"
+                         f" or a Hugging Face model (hf:<architecture>[-<preset>], e.g. hf:llama-small)")
     family, preset = name.split("-", 1)
     return _CONSTRUCTORS[family](preset, **kwargs)
 
 
 __all__ = [
+    "ARCHITECTURES",
     "GPT2Attention",
     "GPT2Block",
     "GPT2Body",
     "GPT2LM",
     "GPT2MLP",
+    "HUGGINGFACE_MODEL_NAMES",
     "LMOutput",
     "LlamaAttention",
     "LlamaBody",
@@ -46,6 +61,8 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "build_model",
+    "example_batch",
     "gpt2",
+    "huggingface",
     "llama",
 ]

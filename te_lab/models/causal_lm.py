@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from te_lab import device as devices
 
+from .batches import example_batch
 from .config import preset_config
 
 IGNORE_INDEX = -100
@@ -96,10 +97,7 @@ class CausalLM(nn.Module):
 
     def example_batch(self, batch: int = 2, seq: int = 16, *, seed: int = 0) -> dict[str, Tensor]:
         """Random token ids on the model's device; a seed of its own, the global RNG untouched."""
-        generator = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(self.config.vocab_size, (batch, seq), generator=generator)
-        input_ids = input_ids.to(self.lm_head.weight.device)
-        return dict(input_ids=input_ids, labels=input_ids.clone())
+        return example_batch(self, batch, seq, seed=seed)
 
     def num_parameters(self) -> int:
         # parameters() yields a tied weight once.
