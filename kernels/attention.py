@@ -36,6 +36,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
+from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .precision import compute_dtype
 from .registry import FusedOp, forced_backend, aten_kernel_exists, register_op, select_backend
@@ -526,6 +527,11 @@ def _backward(ctx, dout, _dlse):
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
+# As F.scaled_dot_product_attention under autocast: q, k, v (and a float mask) in the
+# region's low-precision dtype.
+AUTOCAST = AutocastRule(follows="aten::scaled_dot_product_attention", to=LOWER_PRECISION)
+register_autocast_rule("attention", AUTOCAST)
+register_autocast_rule("attention_backward")
 
 
 # ---- the public op ----
@@ -536,8 +542,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> No
         if tensor.dim() != 4:
             raise ValueError(f"{NAME}: {name} has shape {tuple(tensor.shape)}; "
                              f"expected 4 dimensions [batch, heads, seq, head_dim]")
+    same_dtype = not inputs_cast_by(AUTOCAST, q.device)  # else autocast casts them to one
     for name, tensor in (("k", k), ("v", v)):
-        if tensor.dtype != q.dtype:
+        if same_dtype and tensor.dtype != q.dtype:
             raise TypeError(f"{NAME}: {name} has dtype {tensor.dtype}; expected {q.dtype} like q")
         if tensor.device != q.device:
             raise ValueError(f"{NAME}: {name} is on {tensor.device}; expected {q.device} like q")

@@ -24,6 +24,7 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
+from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -261,14 +262,18 @@ def _backward(ctx, dy):
 
 
 _bias_act_op.register_autograd(_backward, setup_context=_setup_context)
+# The bias add and the activation are on no autocast list: they run in x's dtype (the
+# GEMM before them, F.linear, is where autocast casts).
+register_autocast_rule("bias_act")
+register_autocast_rule("bias_act_backward")
 
 
-def _check_bias(op: str, bias, x: Tensor, length: int, length_from: str) -> Tensor:
+def _check_bias(op: str, bias, x: Tensor, length: int, length_from: str, same_dtype: bool = True) -> Tensor:
     check_tensor(op, "bias", bias)
     if tuple(bias.shape) != (length,):
         raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}; expected ({length},), {length_from}")
     # F.linear adds its bias in the input's dtype; a mixed-dtype sum would change the output dtype
-    if bias.dtype != x.dtype:
+    if same_dtype and bias.dtype != x.dtype:
         raise TypeError(f"{op}: bias has dtype {bias.dtype}; expected {x.dtype} like x")
     if bias.device != x.device:
         raise ValueError(f"{op}: bias is on {bias.device}; expected {x.device} like x")
@@ -309,12 +314,14 @@ def linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activat
             f"{LINEAR_NAME}: weight has shape {tuple(weight.shape)}; expected (out_features, {x.shape[-1]}), "
             f"its in_features being the last dimension of x"
         )
-    if weight.dtype != x.dtype:
+    # Under autocast F.linear casts x, weight and bias to one dtype itself.
+    same_dtype = not inputs_cast_by(LIKE_LINEAR, x.device)
+    if same_dtype and weight.dtype != x.dtype:
         raise TypeError(f"{LINEAR_NAME}: weight has dtype {weight.dtype}; expected {x.dtype} like x")
     if weight.device != x.device:
         raise ValueError(f"{LINEAR_NAME}: weight is on {weight.device}; expected {x.device} like x")
     if bias is not None:
-        _check_bias(LINEAR_NAME, bias, x, weight.shape[0], "the out_features of weight")
+        _check_bias(LINEAR_NAME, bias, x, weight.shape[0], "the out_features of weight", same_dtype)
     check_choice(LINEAR_NAME, "activation", activation, ACTIVATIONS)
     chosen = select_backend(BIAS_ACT, x.device, backend)
     if chosen == "reference":

@@ -29,16 +29,16 @@ def check_tensor(op: str, name: str, value, *, min_dim: int = 1) -> torch.Tensor
 
 
 def check_like(op: str, name: str, value, reference: torch.Tensor, reference_name: str,
-               shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """``value`` must match ``reference`` in dtype and device, and have ``shape``
-    (``reference``'s shape when not given)."""
+               shape: Optional[Sequence[int]] = None, same_dtype: bool = True) -> torch.Tensor:
+    """``value`` must match ``reference`` in device and (with ``same_dtype``) dtype, and have
+    ``shape`` (``reference``'s shape when not given)."""
     check_tensor(op, name, value)
     expected = tuple(reference.shape if shape is None else shape)
     if tuple(value.shape) != expected:
         raise ValueError(
             f"{op}: {name} has shape {tuple(value.shape)}; expected {expected} (from {reference_name})"
         )
-    if value.dtype != reference.dtype:
+    if same_dtype and value.dtype != reference.dtype:
         raise TypeError(f"{op}: {name} has dtype {value.dtype}; expected {reference.dtype} like {reference_name}")
     if value.device != reference.device:
         raise ValueError(f"{op}: {name} is on {value.device}; expected {reference.device} like {reference_name}")

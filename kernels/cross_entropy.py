@@ -32,6 +32,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
+from .autocast import register_autocast_rule
 from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -265,6 +266,12 @@ def _backward(ctx, dloss, _dgrad):
 
 
 _cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+# F.cross_entropy is on autocast's float32 list: the logits are cast to float32 and the
+# gradient cast back. This op already computes in float32 and writes the gradient in the
+# logits' dtype, the same numbers, so casting first would only add a float32 copy of
+# the [tokens, vocab] logits.
+register_autocast_rule("cross_entropy")
+register_autocast_rule("cross_entropy_backward")
 
 
 def reduce_loss(per_token: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:

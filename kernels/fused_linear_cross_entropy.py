@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_label_tensor, check_labels_in_range, check_tensor
 from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
                             cross_entropy_reference, mean_over_labelled)
@@ -208,6 +209,10 @@ def _backward(ctx, dloss, _dgrad_hidden, _dgrad_weight, _dgrad_bias):
 
 
 _fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+# As F.linear then F.cross_entropy under autocast: hidden, weight and bias in the region's
+# low-precision dtype for the matmuls, the loss in float32 (which the chunks compute anyway).
+register_autocast_rule("fused_linear_cross_entropy", LIKE_LINEAR)
+register_autocast_rule("fused_linear_cross_entropy_backward")
 
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
@@ -239,9 +244,10 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
         check_tensor(NAME, "bias", bias)
         if tuple(bias.shape) != (vocab,):
             raise ValueError(f"{NAME}: bias has shape {tuple(bias.shape)}; expected ({vocab},), the rows of weight")
-    # One dtype throughout, as F.linear requires.
+    # One dtype throughout, as F.linear requires (under autocast it casts to one itself).
+    same_dtype = not inputs_cast_by(LIKE_LINEAR, hidden.device)
     for name, tensor in (("weight", weight), ("bias", bias)):
-        if tensor is not None and tensor.dtype != hidden.dtype:
+        if same_dtype and tensor is not None and tensor.dtype != hidden.dtype:
             raise TypeError(f"{NAME}: {name} has dtype {tensor.dtype}; expected {hidden.dtype} like hidden")
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{NAME}: {name} is on {tensor.device}; expected {hidden.device} like hidden")

@@ -22,6 +22,7 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
+from .autocast import register_autocast_rule
 from .checks import check_choice, check_like, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -244,6 +245,9 @@ def _backward(ctx, dy):
 
 
 _glu_op.register_autograd(_backward, setup_context=_setup_context)
+# act(gate) * up is on no autocast list: model code runs it in the dtype of its inputs.
+register_autocast_rule("glu")
+register_autocast_rule("glu_backward")
 
 
 def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu", *,

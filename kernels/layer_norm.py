@@ -22,6 +22,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -304,6 +305,10 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
 
 
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+# As F.layer_norm under autocast: float32 where it is on autocast's float32 list (CUDA).
+AUTOCAST = AutocastRule(follows="aten::layer_norm", to=FLOAT32)
+register_autocast_rule("layer_norm", AUTOCAST)
+register_autocast_rule("layer_norm_backward")
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -318,7 +323,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     check_tensor(NAME, "x", x)
     n = x.shape[-1]
     if residual is not None:
-        check_like(NAME, "residual", residual, x, "x")
+        check_like(NAME, "residual", residual, x, "x", same_dtype=not inputs_cast_by(AUTOCAST, x.device))
     if weight is not None:
         check_parameter(NAME, "weight", weight, x, "x", n)
     if bias is not None:

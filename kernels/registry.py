@@ -54,18 +54,21 @@ class FusedOp:
         return tuple(name for name in BACKENDS if name in self.implementations or name == "reference")
 
 
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
-_aten_kernels: dict[tuple[str, str], bool] = {}
+# Device type -> its dispatch key (MUSA is torch's PrivateUse1 backend).
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
+_aten_kernels: dict[tuple[str, str, bool], bool] = {}
 
 
 @torch.compiler.assume_constant_result
-def aten_kernel_exists(qualified_name: str, device_type: str) -> bool:
+def aten_kernel_exists(qualified_name: str, device_type: str, autocast: bool = False) -> bool:
     """Whether ATen op ``qualified_name`` (e.g. ``"aten::_fused_rms_norm"``) has a kernel
-    for ``device_type`` in this torch build; a trace-time constant under torch.compile."""
-    key = (qualified_name, device_type)
+    for ``device_type`` in this torch build (with ``autocast``: an autocast rule there,
+    i.e. it is on one of autocast's op lists); a trace-time constant under torch.compile."""
+    key = (qualified_name, device_type, autocast)
     if key not in _aten_kernels:
         try:
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, _DISPATCH_KEYS[device_type])
+            dispatch_key = ("Autocast" if autocast else "") + DISPATCH_KEYS[device_type]
+            found = torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, dispatch_key)
         except (RuntimeError, KeyError):
             found = False
         _aten_kernels[key] = bool(found)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -261,6 +262,10 @@ def _backward(ctx, dy, dh, _drstd):
 
 
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+# As F.rms_norm under autocast: float32 where it is on autocast's float32 list (CUDA).
+AUTOCAST = AutocastRule(follows="aten::rms_norm", to=FLOAT32)
+register_autocast_rule("rms_norm", AUTOCAST)
+register_autocast_rule("rms_norm_backward")
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
@@ -277,7 +282,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
     check_tensor(NAME, "x", x)
     n = x.shape[-1]
     if residual is not None:
-        check_like(NAME, "residual", residual, x, "x")
+        check_like(NAME, "residual", residual, x, "x", same_dtype=not inputs_cast_by(AUTOCAST, x.device))
     if weight is not None:
         check_parameter(NAME, "weight", weight, x, "x", n)
     eps = check_positive(NAME, "eps", eps)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from te_lab import device as devices
 
+from .autocast import register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
@@ -359,6 +360,9 @@ def _backward(ctx, dq_out, dk_out):
 
 
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
+# The rotation's multiplies and adds are on no autocast list: q's and k's dtypes stay.
+register_autocast_rule("rope")
+register_autocast_rule("rope_backward")
 
 
 # ---- input checks ----
