@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.metadata
 
-import torch
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -21,12 +19,9 @@ from IPython.utils.process import arg_split
 from torch import nn
 
 import te_lab
-from te_lab import device as devices
-from te_lab.kernels import available_backends, registered_ops, select_backend
 from te_lab.kernels.registry import BACKENDS
 from te_lab.profiler import profile_statement
-
-VERSIONED = ("torch", "triton", "torch_musa", "transformers")
+from te_lab.status import status_lines
 
 
 def _statement_text(line: str, statement: list[str]) -> str:
@@ -198,21 +193,7 @@ class TeLabMagics(Magics):
         """
         if line.strip():
             raise UsageError(f"%te_status takes no arguments, got {line.strip()!r}")
-        default = devices.default_device()
-        lines = [f"devices: {', '.join(str(d) for d in devices.available_devices())} (default {default}: "
-                 f"{devices.device_name(default)})", f"backends on {default} (auto choice first):"]
-        for name, op in registered_ops().items():
-            chosen = select_backend(op, default)
-            others = [b for b in available_backends(op, default) if b != chosen]
-            lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
-        versions = []
-        for package in VERSIONED:
-            try:
-                versions.append(f"{package} {importlib.metadata.version(package.replace('_', '-'))}")
-            except importlib.metadata.PackageNotFoundError:
-                versions.append(f"{package} not installed")
-        lines.append("versions: " + ", ".join(versions) + f"; te_lab {te_lab.__version__}; "
-                     f"{torch.get_num_threads()} CPU threads")
+        lines = status_lines()
         lines.append("fused models: " + (", ".join(f"{name} ({len(te_lab.fusions(value))} fused modules)"
                                                    for name, value in self._fused_in_namespace().items()) or "none"))
         print("\n".join(lines))

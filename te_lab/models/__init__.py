@@ -23,21 +23,30 @@ HUGGINGFACE_MODEL_NAMES = tuple(f"hf:{architecture}-{preset}" for architecture, 
                                 for preset in PRESETS[family])
 
 
+def canonical_model_name(name: str) -> str:
+    """The full name of a model ``build_model`` knows ("hf:llama" is "hf:llama-tiny");
+    a ``ValueError`` listing the names for any other."""
+    if name.startswith("hf:"):
+        full_name = name if "-" in name else f"{name}-tiny"
+        if full_name not in HUGGINGFACE_MODEL_NAMES:
+            raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(HUGGINGFACE_MODEL_NAMES)}")
+        return full_name
+    if name not in MODEL_NAMES:
+        raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(MODEL_NAMES)}"
+                         f" or a Hugging Face model (hf:<architecture>[-<preset>], e.g. hf:llama-small)")
+    return name
+
+
 def build_model(name: str, **kwargs) -> nn.Module:
     """The model called ``name``: a demo model ("llama-tiny", "gpt2-small", ...; ``kwargs``
     go to :func:`llama` or :func:`gpt2`: seed, dtype, device, config overrides) or a
     Hugging Face one ("hf:llama-tiny", "hf:qwen2-small", ...; "hf:llama" is
     "hf:llama-tiny"; ``kwargs`` go to :func:`huggingface`)."""
-    if name.startswith("hf:"):
-        architecture, _, preset = name[len("hf:"):].partition("-")
-        full_name = f"hf:{architecture}-{preset or 'tiny'}"
-        if full_name not in HUGGINGFACE_MODEL_NAMES:
-            raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(HUGGINGFACE_MODEL_NAMES)}")
-        return huggingface(architecture, preset or "tiny", **kwargs)
-    if name not in MODEL_NAMES:
-        raise ValueError(f"build_model(name={name!r}): expected one of {', '.join(MODEL_NAMES)}"
-                         f" or a Hugging Face model (hf:<architecture>[-<preset>], e.g. hf:llama-small)")
-    family, preset = name.split("-", 1)
+    full_name = canonical_model_name(name)
+    if full_name.startswith("hf:"):
+        architecture, preset = full_name[len("hf:"):].split("-", 1)
+        return huggingface(architecture, preset, **kwargs)
+    family, preset = full_name.split("-", 1)
     return _CONSTRUCTORS[family](preset, **kwargs)
 
 
@@ -61,6 +70,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "build_model",
+    "canonical_model_name",
     "example_batch",
     "gpt2",
     "huggingface",

@@ -1,0 +1,47 @@
+"""What te_lab finds on this machine: devices, the backend each fused op runs, whether
+Triton kernels can run (and why not), and the versions that matter. ``%te_status`` and
+``te-lab info`` print these lines."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from te_lab import __version__
+from te_lab import device as devices
+from te_lab.kernels import available_backends, registered_ops, select_backend
+
+VERSIONED = ("torch", "triton", "torch_musa", "transformers")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed version of each package in ``VERSIONED`` (``None``: not installed)."""
+    versions = {}
+    for package in VERSIONED:
+        try:
+            versions[package] = importlib.metadata.version(package.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def triton_line(device_type: str) -> str:
+    reason = devices.triton_unavailable_reason(device_type)
+    return f"triton backend on {device_type}: " + ("available" if reason is None else f"unavailable: {reason}")
+
+
+def status_lines() -> list[str]:
+    """Devices (the default first), backends per op on the default device (the automatic
+    choice, then the others available), Triton's availability, versions and threads."""
+    default = devices.default_device()
+    lines = [f"devices: {', '.join(str(d) for d in devices.available_devices())} (default {default}: "
+             f"{devices.device_name(default)})", f"backends on {default} (auto choice first):"]
+    for name, op in registered_ops().items():
+        chosen = select_backend(op, default)
+        others = [b for b in available_backends(op, default) if b != chosen]
+        lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
+    lines.append(triton_line(default.type))
+    versions = ", ".join(f"{package} {version or 'not installed'}" for package, version in package_versions().items())
+    lines.append(f"versions: {versions}; te_lab {__version__}; {torch.get_num_threads()} CPU threads")
+    return lines
