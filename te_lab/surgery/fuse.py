@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from te_lab import distributed
 from te_lab.kernels.registry import BACKENDS
 from te_lab.modules.base import FusedModule
 from te_lab.modules.lm_head_loss import FusedLMHeadLoss
@@ -372,6 +373,9 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.fuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    model = distributed.unwrap(model)  # DDP's hooks sit on the Parameters, which the twins keep
+    distributed.refuse_sharded(model, "te_lab.fuse", "probes would run its modules outside the hooks that gather "
+                               "their shards; fuse the model before sharding it")
     requested = _check_backend(backend)
     if auto and not verify:
         raise ValueError("te_lab.fuse: auto=True times verified swaps; it cannot be combined with verify=False")
@@ -453,11 +457,19 @@ class UnfuseResult:
     __repr__ = __str__
 
 
+def _refuse_sharded_unfuse(model: nn.Module, caller: str) -> None:
+    if is_fused(model):
+        distributed.refuse_sharded(model, caller, "the originals kept for unfusing still hold the Parameters from "
+                                   "before sharding and would run stale weights; unfuse before sharding, or build "
+                                   "the model again unfused (state_dict keys are the same)")
+
+
 def unfuse(model: nn.Module) -> UnfuseResult:
     """Put the original module objects back (with whatever their weights learned while
     fused). On a model with no fusions it does nothing and says so."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.unfuse: model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded_unfuse(model, "te_lab.unfuse")
     swaps = _swaps(model)
     for swap in reversed(swaps):
         swap.remove()
@@ -471,6 +483,7 @@ def unfused(model: nn.Module) -> Iterator[nn.Module]:
     the same fused twins back (no re-verification: they were verified when fused)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.unfused: model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded_unfuse(model, "te_lab.unfused")
     swaps = _swaps(model)
     for swap in reversed(swaps):
         swap.remove()
