@@ -4,7 +4,7 @@ Importing te_lab registers its fused ops with torch (``te_lab::*`` custom ops) a
 fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
-from te_lab import device, kernels, models, modules
+from te_lab import device, kernels, models, modules, optim
 from te_lab.profiler import ProfileReport, profile
 from te_lab.kernels import use_backend
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
@@ -46,6 +46,7 @@ __all__ = [
     "load_ipython_extension",
     "models",
     "modules",
+    "optim",
     "profile",
     "register_rule",
     "rules",

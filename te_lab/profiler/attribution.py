@@ -8,6 +8,9 @@ bytes moved and FLOPs, and the timeline.
   sequence number of the forward op that made the node.
 - The loss (eager cross-entropy ops, or te_lab's fused linear cross-entropy) belongs to
   ``loss_key`` wherever it runs outside a region.
+- Optimizer work (inside ``Optimizer.step``, or a parameter's update during backward by
+  ``te_lab.optim.overlap_step``) has the phase "optimizer" and, for the latter, the
+  parameter's name as its path; it belongs to no module region.
 - *Launches* are the ops the framework dispatches: on the CPU, every op not nested in
   another op; on GPUs, the device kernels under them. An op's time is its host time on
   the CPU and its kernels' device time (``device_time_total``) on GPUs.
@@ -26,7 +29,7 @@ from torch.autograd import DeviceType
 
 from .device_kernels import device_kernels
 from .estimates import op_cost
-from .regions import PREFIX
+from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Region, TimelineEvent
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -109,6 +112,9 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             forward_key.setdefault(event.sequence_nr, key)
 
     def key_and_phase(event) -> tuple[Optional[str], str]:
+        updated = _optimizer_target(event)
+        if updated is not None:
+            return updated or None, "optimizer"
         for ancestor in _ancestors(event):
             if ancestor.name.startswith(BACKWARD_PREFIX):
                 return forward_key.get(ancestor.sequence_nr), "backward"
@@ -132,7 +138,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
                                                 f"thread {event.thread}", key or "", phase, shapes))
-        if key is None:
+        if key is None or phase == "optimizer":
             continue
         region = trace.regions.setdefault(key, Region())
         region.launches += launches
@@ -155,6 +161,18 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         trace.timeline = [TimelineEvent(mode, k.name, (k.start_ns - first) / 1e3, k.duration_ns / 1e3,
                                         f"stream {k.stream}", "", "") for k in trace.kernels]
     return trace
+
+
+def _optimizer_target(event) -> Optional[str]:
+    """The parameter an op updates inside overlap_step's per-parameter region, "" inside
+    any other optimizer step, None outside optimizer steps."""
+    target = None
+    for ancestor in _ancestors(event):
+        if ancestor.name.startswith(OPTIMIZER_PREFIX):
+            return ancestor.name[len(OPTIMIZER_PREFIX):]
+        if ancestor.name.startswith(TORCH_OPTIMIZER_STEP_PREFIX):
+            target = ""
+    return target
 
 
 def peak_live_bytes(profiler) -> int:

@@ -57,7 +57,8 @@ FORMULAS = {
     "bytes_moved": BYTES_FORMULA,
     "region_time": "sum of the durations of the region's top-level ops in the profiled step (forward: ops "
                    "under the module's forward; backward: autograd nodes created by those ops)",
-    "other": "profiled step's op time not attributed to a module (embeddings, residual adds, glue)",
+    "other": "profiled step's op time not attributed to a module (embeddings, residual adds, glue, optimizer "
+             "steps)",
     "fused_share": "fused step: time of regions holding fused ops / all op time",
     "achieved_gbs": "bytes moved / region time",
     "achieved_gflops": "FLOPs / region time",

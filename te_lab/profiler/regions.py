@@ -15,6 +15,10 @@ from torch import nn
 from torch.profiler import record_function
 
 PREFIX = "te_lab.module:"
+# One parameter's update inside backward (te_lab.optim.overlap_step): "te_lab.optimizer:<parameter name>".
+OPTIMIZER_PREFIX = "te_lab.optimizer:"
+# torch.optim.Optimizer.step's own region: "Optimizer.step#<class>.step".
+TORCH_OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 
 
 @contextlib.contextmanager

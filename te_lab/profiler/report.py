@@ -116,7 +116,7 @@ class TimelineEvent:
     duration_us: float
     lane: str  # thread (CPU) or stream (GPU)
     path: str
-    phase: str  # "forward" | "backward"
+    phase: str  # "forward" | "backward" | "optimizer"
     input_shapes: list = field(default_factory=list)  # of the op's tensor inputs, as recorded
 
 

@@ -22,7 +22,7 @@ GROUP_BY = ("kind", "module_type", "module")  # op kind / module type / module i
 PHASES = ("both", "forward", "backward")
 
 MODE_COLORS = {"eager": "#7f7f7f", "fused": "#1f77b4"}
-PHASE_COLORS = {"forward": "#2ca02c", "backward": "#d62728"}
+PHASE_COLORS = {"forward": "#2ca02c", "backward": "#d62728", "optimizer": "#9467bd"}
 
 _PHASE_MS: dict[str, Callable[[Region], float]] = {
     "both": lambda region: region.total_ms,
