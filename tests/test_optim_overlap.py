@@ -317,6 +317,26 @@ def test_refuses_parameters_that_already_hold_gradients_and_non_modules():
         overlap_step(lambda x: x)
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_refuses_ddp_and_sharded_models():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    # One gloo rank over an in-memory store: no port, no second process.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = TwoHeads()
+        with pytest.raises(ValueError, match="DistributedDataParallel, which all-reduces gradients"):
+            overlap_step(nn.parallel.DistributedDataParallel(model))
+        mesh = init_device_mesh("cpu", (1,))
+        model.trunk.weight = nn.Parameter(distribute_tensor(model.trunk.weight.detach(), mesh))
+        with pytest.raises(RuntimeError, match="'trunk.weight' of this TwoHeads is a DTensor.*optimizer.step"):
+            overlap_step(model)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- on the fused model, and in the profiler ------------------------------------------
 
 

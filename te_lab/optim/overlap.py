@@ -24,6 +24,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
+from te_lab import distributed
 from te_lab.kernels import FusedAdamW
 from te_lab.profiler.regions import OPTIMIZER_PREFIX
 
@@ -186,26 +187,14 @@ def overlap_step(model: nn.Module, optimizer_factory: Optional[Callable] = None,
 
 
 def _refuse_distributed(model: nn.Module) -> None:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    if distributed.is_data_parallel(model):
         raise ValueError(
             f"{NAME}: model is wrapped in DistributedDataParallel, which all-reduces gradients in hooks of its own; "
             f"an update applied before the all-reduce would use this rank's local gradient. Expected an unwrapped "
             f"model; under DDP, call optimizer.step() after backward")
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(model, FullyShardedDataParallel):
-            raise ValueError(f"{NAME}: model is wrapped in FullyShardedDataParallel, which reduces and reshards "
-                             f"gradients after accumulation; expected an unwrapped model. Under FSDP, call "
-                             f"optimizer.step() after backward")
-
-        sharded = next((name for name, param in model.named_parameters() if isinstance(param, DTensor)), None)
-        if sharded is not None:
-            raise ValueError(
-                f"{NAME}: parameter {sharded!r} is a DTensor (FSDP2 / tensor parallel), whose gradients are "
-                f"reduced after accumulation; expected plain tensors. Under FSDP, call optimizer.step() after "
-                f"backward")
+    distributed.refuse_sharded(model, NAME, "their gradients are reduced across ranks after accumulation, so an "
+                                            "update applied in the hook would miss the other ranks' share; under "
+                                            "FSDP, call optimizer.step() after backward")
 
 
 def _check_optimizer(model: nn.Module, optimizer) -> None:
