@@ -5,6 +5,13 @@
 #   make test-triton32   .venv-triton32: the Triton kernels through Triton 3.2's
 #                        interpreter, the release Moore Threads ships for MUSA
 #   make clean-venvs     remove both environments
+#   make demo            set up .venv as `make test` does, then `te-lab demo`: fuse, verify
+#                        and profile the demo Llama, write te_lab_report.html
+#   make lab             set up .venv, then JupyterLab on the tutorial notebooks (te-lab lab)
+#   make bench           the benchmark suite's full CPU run: benchmarks/RESULTS.md,
+#                        benchmarks/results-cpu.json and benchmarks/results-cpu.html
+#   make bench-gpu       the same on the GPU: benchmarks/RESULTS-gpu.md, results-gpu.*
+#   make bench-quick     the quick profile (minutes on a 2-core CPU), report on stdout
 #
 # Set-up runs once: each environment keeps a stamp that is newer than pyproject.toml
 # while its install is current, so a second `make test` goes straight to pytest.
@@ -55,13 +62,34 @@ fi; \
 exit "$$status"
 endef
 
-.PHONY: test test-main test-triton32 clean-venvs
+.PHONY: test test-main test-triton32 clean-venvs bench bench-gpu bench-quick
 
 test: test-main test-triton32
 
 test-main: $(VENV)/$(STAMP)
 	@echo "== te_lab tests in $(VENV) ($$($(VENV)/bin/python $(INSTALLED_VERSIONS)))"
 	@$(call run_pytest,$(VENV),)
+
+.PHONY: demo lab
+
+demo: $(VENV)/$(STAMP)
+	@$(VENV)/bin/te-lab demo
+
+lab: $(VENV)/$(STAMP)
+	@$(VENV)/bin/te-lab lab
+
+BENCH := $(VENV)/bin/python -m te_lab.benchmarks.suite
+
+bench: $(VENV)/$(STAMP)
+	@$(BENCH) --device cpu --profile cpu --markdown benchmarks/RESULTS.md \
+	  --json benchmarks/results-cpu.json --html benchmarks/results-cpu.html > /dev/null
+
+bench-gpu: $(VENV)/$(STAMP)
+	@$(BENCH) --profile gpu --markdown benchmarks/RESULTS-gpu.md \
+	  --json benchmarks/results-gpu.json --html benchmarks/results-gpu.html > /dev/null
+
+bench-quick: $(VENV)/$(STAMP)
+	@$(BENCH) --quick
 
 # The environment that the machine's torch build stays in: a torch already in $(VENV)
 # (the user's, e.g. Moore Threads' torch + torch_musa, or a CUDA build) is kept; with

@@ -1,29 +1,45 @@
 """The per-op benchmark cases: the baseline model code runs today in eager PyTorch, the
-te_lab call that replaces it, realistic shapes, and the bytes (and FLOPs) the fused
-forward + backward must move at the least, from shapes and dtypes.
+te_lab call that replaces it, Liger-Kernel's equivalent where it has one, shapes from a
+:class:`Size` (tokens, hidden), and the bytes (and FLOPs) each pass must move at the
+least, from shapes and dtypes.
 
-Bytes moved, forward + backward (N = elements of the activation, s = its element size):
-- RMSNorm:            read x, w; write y, rstd | read dy, x, w, rstd; write dx, dw   ~ 5 N s
-- add + LayerNorm:    read x, r; write h, y    | read dy, dh, h; write dx            ~ 8 N s
-- Linear + GELU:      the three GEMMs' operands and results; compute-bound, so FLOP/s matter
-- SwiGLU / GeGLU:     read g, u; write y       | read dy, g, u; write dg, du         ~ 8 N s
-- RoPE on q and k:     read q, k; write q', k' | read dq', dk'; write dq, dk         ~ 4 (Q + K) s
-- attention:          read q, k, v; write o    | read do, q, k, v, o; write dq, dk, dv ~ 9 N s
-- cross-entropy:      read logits; write grad  | read grad; write dlogits              ~ 4 N s
-- linear + CE:        the GEMMs' operands and results, never the logits; compute-bound
-- AdamW step:         read p, g, m, v; write p, m, v                              ~ 7 P s
+Shapes at ``Size(tokens=T, hidden=H)``:
+
+- RMSNorm, add + LayerNorm:  [T, H]
+- Linear + GELU:             [T, H] @ [4H, H]^T + bias (GPT-2's MLP up-projection)
+- SwiGLU / GeGLU:            gate, up [T, F], F = 8H/3 rounded up to 128 (Llama's MLP)
+- RoPE:                      q [1, H/128, T, 128], k [1, H/512, T, 128] (GQA 4:1)
+- causal attention:          q, k, v [1, H/128, T, 128]
+- cross-entropy:             logits [T, 32000]
+- LM head + cross-entropy:   hidden [T, H], head [32000, H]
+- AdamW:                     the parameters of a one-layer Llama of width H with a
+                             8192-token embedding (see ``adamw_case``)
+
+Bytes moved (N = elements of the activation, s = its element size), forward | backward:
+
+- RMSNorm:            read x, w; write y, rstd      | read dy, x, w, rstd; write dx, dw
+- add + LayerNorm:    read x, r, w, b; write h, y   | read dy, dh, h; write dx      (8 N s in all)
+- Linear + GELU:      read x, W, b; write y         | read dy, pre-activation, x, W; write dx, dW
+                      (compute-bound: FLOP/s matter; forward 2 T H 4H, backward twice that)
+- SwiGLU / GeGLU:     read g, u; write y            | read dy, g, u; write dg, du   (8 N s)
+- RoPE on q and k:    read q, k, cos, sin; write q', k' | read dq', dk', cos, sin; write dq, dk
+- attention:          read q, k, v; write o         | read do, q, k, v, o; write dq, dk, dv (12 N s)
+                      (FLOPs: causal forward 2 B H S^2 D, backward 2.5 times that)
+- cross-entropy:      read logits; write grad       | read grad; write dlogits      (4 N s)
+- LM head + CE:       read hidden, W                | read hidden, W; write dhidden, dW
+                      (never the logits; compute-bound: forward 2 T H V, backward twice)
+- AdamW step:         read p, g, m, v; write p, m, v                               (7 P s)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from te_lab.kernels.adamw import FusedAdamW
 from te_lab.kernels.attention import attention
 from te_lab.kernels.bias_act import linear_act
 from te_lab.kernels.cross_entropy import cross_entropy
@@ -33,17 +49,39 @@ from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
 from te_lab.kernels.rope import apply_rotary
 
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Size:
+    tokens: int
+    hidden: int
+
+    def __str__(self) -> str:
+        return f"T={self.tokens} H={self.hidden}"
+
 
 @dataclass
 class OpCase:
+    """``fused`` takes the inputs and ``backend=``; ``liger``, given the module
+    ``liger_kernel.transformers.functional``, returns Liger's equivalent of
+    ``baseline`` (None where Liger has none)."""
+
     op: str  # the registered fused op's name
+    name: str  # the case: the op's name, or the op and its variant ("glu[silu]")
     title: str
     inputs: tuple  # every tensor the step takes; gradients are taken for all of them
     baseline: Callable
-    fused: Callable  # takes the inputs and backend=
-    bytes_moved: int
-    flops: Optional[int] = None
-    measure_memory: bool = False  # also report each contender's peak memory
+    fused: Callable
+    bytes_moved: dict[str, int]  # "forward", "backward"
+    flops: dict[str, int] = field(default_factory=dict)
+    liger: Optional[Callable[[object], Callable]] = None
+
+    def bytes_for(self, mode: str) -> int:
+        return sum(self.bytes_moved[part] for part in mode.split("+"))
+
+    def flops_for(self, mode: str) -> Optional[int]:
+        return sum(self.flops[part] for part in mode.split("+")) if self.flops else None
 
 
 def _bytes(*tensors_or_counts) -> int:
@@ -110,125 +148,173 @@ def _act(shape, device, dtype):
     return torch.randn(shape, device=device, dtype=dtype).requires_grad_()
 
 
-def op_cases(device: torch.device, dtype: torch.dtype, rows: int = 4096) -> list[OpCase]:
-    """The issue's shapes at ``rows`` rows: norms rows x 2048, gated activations
-    rows x 4096, Linear (rows / 4) x 1024 -> 4096."""
-    torch.manual_seed(0)
-    cases = []
+def llama_ffn(hidden: int) -> int:
+    return -(-8 * hidden // 3 // 128) * 128
 
-    x, w = _act((rows, 2048), device, dtype), _param(2048, device, dtype)
-    cases.append(OpCase(
-        "rms_norm", f"RMSNorm {rows}x2048", (x, w),
+
+HEAD_DIM = 128
+
+
+def _heads(hidden: int, per: int = 1) -> int:
+    if hidden % (HEAD_DIM * per):
+        raise ValueError(f"op cases: hidden {hidden} must be a multiple of {HEAD_DIM * per} "
+                         f"(heads of {HEAD_DIM}{', grouped 4:1' if per > 1 else ''})")
+    return hidden // (HEAD_DIM * per)
+
+
+def rms_norm_case(device, dtype, size: Size) -> OpCase:
+    t, h = size.tokens, size.hidden
+    x, w = _act((t, h), device, dtype), _param(h, device, dtype)
+    return OpCase(
+        "rms_norm", "rms_norm", f"RMSNorm {t}x{h}", (x, w),
         baseline=hand_written_rms_norm,
         fused=lambda x, w, backend: rms_norm(x, w, 1e-6, backend=backend),
-        bytes_moved=_bytes(x, w, x, rows * 4, x, x, w, rows * 4, x, w)))
+        bytes_moved={"forward": _bytes(x, w, x, t * 4), "backward": _bytes(x, x, w, t * 4, x, w)},
+        liger=lambda functional: lambda x, w: functional.liger_rms_norm(x, w, 1e-6, in_place=False))
 
-    x, r = _act((rows, 2048), device, dtype), _act((rows, 2048), device, dtype)
-    w, b = _param(2048, device, dtype), _param(2048, device, dtype)
-    cases.append(OpCase(
-        "layer_norm", f"add + LayerNorm {rows}x2048", (x, r, w, b),
+
+def layer_norm_case(device, dtype, size: Size) -> OpCase:
+    t, h = size.tokens, size.hidden
+    x, r = _act((t, h), device, dtype), _act((t, h), device, dtype)
+    w, b = _param(h, device, dtype), _param(h, device, dtype)
+
+    def liger(functional):
+        def residual_layer_norm(x, r, w, b):  # Liger's LayerNorm has no residual input
+            h = x + r
+            return functional.liger_layer_norm(h, w, b, 1e-5), h
+        return residual_layer_norm
+
+    return OpCase(
+        "layer_norm", "layer_norm", f"add + LayerNorm {t}x{h}", (x, r, w, b),
         baseline=add_layer_norm,
         fused=lambda x, r, w, b, backend: layer_norm(x, w, b, 1e-5, residual=r, backend=backend),
-        bytes_moved=_bytes(x, r, x, x, x, x, x, x, w, b)))
+        bytes_moved={"forward": _bytes(x, r, w, b, x, x), "backward": _bytes(x, x, x, x)},
+        liger=liger)
 
-    tokens = max(rows // 4, 1)
-    x = _act((tokens, 1024), device, dtype)
+
+def bias_act_case(device, dtype, size: Size) -> OpCase:
+    t, h = size.tokens, size.hidden
+    x = _act((t, h), device, dtype)
     # initialised like nn.Linear (scale 1/sqrt(fan_in)), so pre-activations are O(1) as in real models
-    weight = (torch.randn(4096, 1024, device=device) / 32).to(dtype).requires_grad_()
-    bias = _param(4096, device, dtype)
-    out_elements = tokens * 4096
-    cases.append(OpCase(
-        "bias_act", f"Linear {tokens}x1024->4096 + GELU", (x, weight, bias),
+    weight = (torch.randn(4 * h, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
+    bias = _param(4 * h, device, dtype)
+    out = t * 4 * h * x.element_size()
+    forward_flops = 2 * t * h * 4 * h
+    return OpCase(
+        "bias_act", "bias_act", f"Linear {t}x{h}->{4 * h} + GELU", (x, weight, bias),
         baseline=linear_gelu,
         fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend),
-        bytes_moved=_bytes(x, weight, out_elements * x.element_size() * 3, x, weight, x, weight, bias),
-        flops=3 * 2 * tokens * 1024 * 4096))
+        bytes_moved={"forward": _bytes(x, weight, bias, out), "backward": _bytes(out, out, x, x, weight, weight)},
+        flops={"forward": forward_flops, "backward": 2 * forward_flops})
 
-    seq = max(rows // 4, 1)
-    q, k = _act((4, 32, seq, 128), device, dtype), _act((4, 8, seq, 128), device, dtype)
-    cos, sin = (t.to(dtype) for t in _rotary_tables(seq, 128, device))
-    cases.append(OpCase(
-        "rope", f"RoPE q 4x32x{seq}x128, k 4x8x{seq}x128", (q, k),
+
+def glu_case(activation: str) -> Callable:
+    baseline, title, liger_name = {"silu": (silu_gate, "SwiGLU", "liger_swiglu"),
+                                   "gelu_tanh": (gelu_gate, "GeGLU", "liger_geglu")}[activation]
+
+    def build(device, dtype, size: Size) -> OpCase:
+        ffn = llama_ffn(size.hidden)
+        gate, up = _act((size.tokens, ffn), device, dtype), _act((size.tokens, ffn), device, dtype)
+        return OpCase(
+            "glu", f"glu[{activation}]", f"{title} {size.tokens}x{ffn}", (gate, up),
+            baseline=baseline,
+            fused=lambda g, u, backend: glu(g, u, activation, backend=backend),
+            bytes_moved={"forward": _bytes(gate) * 3, "backward": _bytes(gate) * 5},
+            liger=lambda functional: getattr(functional, liger_name))
+    return build
+
+
+def rope_case(device, dtype, size: Size) -> OpCase:
+    t = size.tokens
+    q = _act((1, _heads(size.hidden), t, HEAD_DIM), device, dtype)
+    k = _act((1, _heads(size.hidden, 4), t, HEAD_DIM), device, dtype)
+    cos, sin = (table.to(dtype) for table in _rotary_tables(t, HEAD_DIM, device))
+    return OpCase(
+        "rope", "rope", f"RoPE q {tuple(q.shape)}, k {tuple(k.shape)}", (q, k),
         baseline=lambda q, k: hf_rotary(q, k, cos, sin),
         fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
-        bytes_moved=_bytes(q, k) * 4 + _bytes(cos, sin)))
+        bytes_moved={"forward": _bytes(q, k, cos, sin, q, k), "backward": _bytes(q, k, cos, sin, q, k)},
+        liger=lambda functional: lambda q, k: functional.liger_rope(q, k, cos[None], sin[None]))
 
-    q, k, v = (_act((4, 16, seq, 64), device, dtype) for _ in range(3))
-    cases.append(OpCase(
-        "attention", f"causal attention 4x16x{seq}x64", (q, k, v),
+
+def attention_case(device, dtype, size: Size) -> OpCase:
+    heads, seq = _heads(size.hidden), size.tokens
+    q, k, v = (_act((1, heads, seq, HEAD_DIM), device, dtype) for _ in range(3))
+    forward_flops = 2 * heads * seq * seq * HEAD_DIM  # two matmuls of 2 S^2 D, halved by the mask
+    return OpCase(
+        "attention", "attention", f"causal attention {tuple(q.shape)}", (q, k, v),
         baseline=explicit_causal_attention,
         fused=lambda q, k, v, backend: attention(q, k, v, causal=True, backend=backend),
-        bytes_moved=_bytes(q) * 9, flops=int(3.5 * 2 * 2 * 4 * 16 * seq * seq * 64 / 2)))
+        bytes_moved={"forward": _bytes(q) * 4, "backward": _bytes(q) * 8},
+        flops={"forward": forward_flops, "backward": int(2.5 * forward_flops)})
 
-    logits = _act((max(rows // 2, 1), 32000), device, dtype)
-    labels = torch.randint(0, 32000, (logits.shape[0],), device=device)
-    cases.append(OpCase(
-        "cross_entropy", f"cross-entropy {logits.shape[0]}x32000", (logits,),
+
+def cross_entropy_case(device, dtype, size: Size) -> OpCase:
+    logits = _act((size.tokens, VOCAB), device, dtype)
+    labels = torch.randint(0, VOCAB, (size.tokens,), device=device)
+    return OpCase(
+        "cross_entropy", "cross_entropy", f"cross-entropy {size.tokens}x{VOCAB}", (logits,),
         baseline=lambda logits: F.cross_entropy(logits, labels),
         fused=lambda logits, backend: cross_entropy(logits, labels, backend=backend),
-        bytes_moved=_bytes(logits) * 4))
+        bytes_moved={"forward": _bytes(logits) * 2, "backward": _bytes(logits) * 2},
+        liger=lambda functional: lambda logits: functional.liger_cross_entropy(logits, labels))
 
-    tokens = max(rows // 2, 1)
-    hidden, head = _act((tokens, 2048), device, dtype), _act((32000, 2048), device, dtype)
-    head.data.mul_(2048 ** -0.5)
-    labels = torch.randint(0, 32000, (tokens,), device=device)
-    cases.append(OpCase(
-        "fused_linear_cross_entropy", f"LM head + cross-entropy {tokens}x2048 -> 32000", (hidden, head),
+
+def fused_linear_cross_entropy_case(device, dtype, size: Size) -> OpCase:
+    t, h = size.tokens, size.hidden
+    hidden, head = _act((t, h), device, dtype), _act((VOCAB, h), device, dtype)
+    head.data.mul_(h ** -0.5)
+    labels = torch.randint(0, VOCAB, (t,), device=device)
+    forward_flops = 2 * t * h * VOCAB
+    return OpCase(
+        "fused_linear_cross_entropy", "fused_linear_cross_entropy", f"LM head + cross-entropy {t}x{h} -> {VOCAB}",
+        (hidden, head),
         baseline=lambda hidden, head: F.cross_entropy(F.linear(hidden, head), labels),
         fused=lambda hidden, head, backend: fused_linear_cross_entropy(hidden, head, labels, backend=backend),
-        bytes_moved=_bytes(hidden, head) * 3, flops=3 * 2 * tokens * 2048 * 32000, measure_memory=True))
-
-    for name, baseline, activation in (("SwiGLU", silu_gate, "silu"), ("GeGLU", gelu_gate, "gelu_tanh")):
-        gate, up = _act((rows, 4096), device, dtype), _act((rows, 4096), device, dtype)
-        cases.append(OpCase(
-            "glu", f"{name} {rows}x4096", (gate, up),
-            baseline=baseline,
-            fused=(lambda activation: lambda g, u, backend: glu(g, u, activation, backend=backend))(activation),
-            bytes_moved=_bytes(gate) * 8))
-    return cases
+        bytes_moved={"forward": _bytes(hidden, head), "backward": _bytes(hidden, head) * 2},
+        flops={"forward": forward_flops, "backward": 2 * forward_flops},
+        liger=lambda functional: lambda hidden, head: functional.liger_fused_linear_cross_entropy(hidden, head, labels))
 
 
-@dataclass
-class OptimizerCase:
-    """One optimizer step over a transformer-shaped parameter set; ``steps`` maps a
-    contender's name to its zero-argument step (state already allocated)."""
+# Every registered op but the optimizer, by name; an op missing here fails the suite
+# loudly, so a new kernel cannot go unmeasured.
+OP_CASES: dict[str, tuple[Callable, ...]] = {
+    "rms_norm": (rms_norm_case,),
+    "layer_norm": (layer_norm_case,),
+    "bias_act": (bias_act_case,),
+    "glu": (glu_case("silu"), glu_case("gelu_tanh")),
+    "rope": (rope_case,),
+    "attention": (attention_case,),
+    "cross_entropy": (cross_entropy_case,),
+    "fused_linear_cross_entropy": (fused_linear_cross_entropy_case,),
+}
+OPTIMIZER_OPS = ("adamw",)
 
-    op: str
-    title: str
-    steps: dict
-    bytes_moved: int
-    flops: Optional[int] = None
-    measure_memory: bool = False
+
+def op_cases(op: str, device: torch.device, dtype: torch.dtype, size: Size) -> list[OpCase]:
+    """The cases of ``op`` at ``size``, inputs drawn from seed 0."""
+    if op not in OP_CASES:
+        raise ValueError(f"op_cases(op={op!r}): no benchmark case; expected one of {', '.join(OP_CASES)}")
+    torch.manual_seed(0)
+    return [build(device, dtype, size) for build in OP_CASES[op]]
 
 
-def _transformer_parameter_shapes(hidden: int, layers: int, vocab: int, mlp: int) -> list[tuple]:
+def transformer_parameter_shapes(hidden: int, layers: int, vocab: int, mlp: int) -> list[tuple]:
     shapes = [(vocab, hidden)]
     for _ in range(layers):
         shapes += [(hidden, hidden)] * 4 + [(mlp, hidden)] * 2 + [(hidden, mlp)] + [(hidden,)] * 2
     return shapes + [(hidden,)]
 
 
-def adamw_case(device: torch.device, dtype: torch.dtype, scale: int = 1) -> OptimizerCase:
-    """AdamW over ~21M parameters (scale 1; ~100M at scale 5 on GPUs): te_lab's FusedAdamW
-    against torch.optim.AdamW's default (foreach) step and torch.compile of that step."""
-    shapes = _transformer_parameter_shapes(512, 5 * scale, 8192, 1536)
+def adamw_parameters(device: torch.device, dtype: torch.dtype, hidden: int) -> list[torch.nn.Parameter]:
+    """The parameters (with gradients) of a one-layer Llama of width ``hidden``."""
+    torch.manual_seed(0)
+    shapes = transformer_parameter_shapes(hidden, 1, 8192, llama_ffn(hidden))
+    params = [torch.nn.Parameter(0.02 * torch.randn(shape, device=device).to(dtype)) for shape in shapes]
+    for param in params:
+        param.grad = 1e-3 * torch.randn_like(param)
+    return params
 
-    def prepared_step(make_optimizer):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(0.02 * torch.randn(shape, device=device).to(dtype)) for shape in shapes]
-        for param in params:
-            param.grad = 1e-3 * torch.randn_like(param)
-        optimizer = make_optimizer(params)
-        optimizer.step()  # allocates the state outside the timed steps
-        return optimizer.step
 
-    steps = {
-        "eager": prepared_step(torch.optim.AdamW),
-        "torch.compile": torch.compile(prepared_step(torch.optim.AdamW)),
-        "torch AdamW(fused=True)": prepared_step(lambda p: torch.optim.AdamW(p, fused=True)),
-        "te_lab FusedAdamW": prepared_step(FusedAdamW),
-    }
-    count = sum(torch.Size(shape).numel() for shape in shapes)
-    element = torch.empty((), dtype=dtype).element_size()
-    return OptimizerCase("adamw", f"AdamW step, {count / 1e6:.0f}M {str(dtype).split('.')[-1]} parameters "
-                         f"in {len(shapes)} tensors", steps, bytes_moved=7 * count * element)
+def adamw_bytes(params: list[torch.Tensor]) -> int:
+    return 7 * sum(p.numel() * p.element_size() for p in params)

@@ -4,9 +4,11 @@ is timed on its own (it includes torch.compile's and Inductor's compile waits)."
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -14,13 +16,34 @@ from te_lab import device as devices
 from te_lab.profiler.attribution import peak_live_bytes
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass
-class Timing:
-    """One contender's measurements, in milliseconds."""
+class Contender:
+    """One way of doing the same work. ``step`` is what is timed; ``before`` and ``after``
+    run untimed around every call (a backward-only contender runs its forward in
+    ``before``), and ``context`` is entered around all three, outside the timer (a
+    model's ``te_lab.unfused`` block, ``torch.no_grad``)."""
 
     name: str
-    first_call_ms: float
+    step: Callable[[], object]
+    before: Callable[[], None] = _nothing
+    after: Callable[[], None] = _nothing
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+
+
+@dataclass
+class Timing:
+    """One contender's measurements, in milliseconds; ``samples_ms[i]`` comes from round
+    ``i``, so two contenders' samples pair up round by round. ``error`` is set (and the
+    samples stay empty) when the contender's first call raised."""
+
+    name: str
+    first_call_ms: Optional[float]
     samples_ms: list[float] = field(default_factory=list)
+    error: Optional[str] = None
 
     @property
     def median_ms(self) -> float:
@@ -35,61 +58,111 @@ class Timing:
         return (quartiles[2] - quartiles[0]) / 2
 
 
-def _timed(step: Callable[[], object], device: torch.device) -> float:
-    devices.synchronize(device)
-    with devices.Timer(device) as timer:
-        step()
-    return timer.elapsed_ms
+def timed_call(contender: Contender, device: torch.device) -> tuple[float, object]:
+    """(milliseconds, output) of one call of ``contender.step``; ``before``, ``after`` and
+    the context stay outside the timer."""
+    with contender.context():
+        contender.before()
+        devices.synchronize(device)
+        with devices.Timer(device) as timer:
+            output = contender.step()
+        contender.after()
+    return timer.elapsed_ms, output
 
 
-def interleaved(contenders: dict[str, Callable[[], object]], device: torch.device, *,
-                rounds: int = 15, warmup: int = 2, progress: Callable[[str], None] = lambda _: None,
-                ) -> dict[str, Timing]:
-    """Time each zero-argument step ``rounds`` times, interleaved, after ``warmup`` untimed
-    calls each. The order rotates every round so no contender always runs first."""
-    timings = {}
-    for name, step in contenders.items():
-        progress(f"first call: {name}")
-        timings[name] = Timing(name, _timed(step, device))
+def _first_error(error: BaseException) -> str:
+    last = traceback.extract_tb(error.__traceback__)[-1:] or [None]
+    where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last[0] else ""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
+
+
+def interleaved(contenders: list[Contender], device: torch.device, *, rounds: int, warmup: int,
+                progress: Callable[[str], None] = lambda _: None,
+                keep_first_outputs: bool = False) -> tuple[dict[str, Timing], dict[str, object]]:
+    """Time each contender ``rounds`` times, interleaved, after ``warmup`` untimed calls
+    each. The order rotates every round so no contender always runs first. A contender
+    whose first call raises is kept with its error and left out of the rounds.
+
+    Returns the timings and, with ``keep_first_outputs``, each contender's first output
+    (other outputs are dropped at once, so no call runs while the previous one's
+    results are still alive)."""
+    timings, first_outputs = {}, {}
+    for contender in contenders:
+        progress(f"first call: {contender.name}")
+        try:
+            elapsed, output = timed_call(contender, device)
+        except Exception as error:  # a contender that cannot run is a result, not a crash
+            timings[contender.name] = Timing(contender.name, None, error=_first_error(error))
+            progress(f"{contender.name} failed: {timings[contender.name].error}")
+            continue
+        timings[contender.name] = Timing(contender.name, elapsed)
+        if keep_first_outputs:
+            first_outputs[contender.name] = output
+        del output
         for _ in range(warmup):
-            step()
-    names = list(contenders)
+            timed_call(contender, device)
+    running = [contender for contender in contenders if timings[contender.name].error is None]
     for round_index in range(rounds):
         progress(f"round {round_index + 1}/{rounds}")
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            timings[name].samples_ms.append(_timed(contenders[name], device))
-    return timings
+        shift = round_index % max(len(running), 1)
+        for contender in running[shift:] + running[:shift]:
+            timings[contender.name].samples_ms.append(timed_call(contender, device)[0])
+    return timings, first_outputs
 
 
-def fwd_bwd_step(fn: Callable, inputs: tuple) -> Callable[[], object]:
-    """A zero-argument step running ``fn(*inputs)`` forward and backward, with fixed
-    random upstream gradients for every output, returning the gradients of every input
-    (not accumulating into ``.grad``, which would add work that is not the op's)."""
+def _as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def upstream_gradients(fn: Callable, inputs: tuple) -> list[torch.Tensor]:
+    """Fixed random upstream gradients, one per output of ``fn(*inputs)`` (run once
+    without autograd); every contender of a case backpropagates the same ones."""
     with torch.no_grad():
-        outputs = fn(*inputs)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    upstream = [torch.randn_like(out) for out in outputs]
-
-    def step():
-        out = fn(*inputs)
-        out = out if isinstance(out, tuple) else (out,)
-        return torch.autograd.grad(out, inputs, upstream)
-
-    return step
+        return [torch.randn_like(out) for out in _as_tuple(fn(*inputs))]
 
 
-def peak_memory_bytes(step: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated while ``step`` runs, above what was allocated before it: the
-    allocator's statistics on GPUs, the profiler's record of every allocation and free
-    on the CPU (which has no allocator statistics)."""
-    if devices.is_gpu(device):
-        devices.synchronize(device)
-        before = devices.memory_allocated(device)
-        devices.reset_peak_memory_stats(device)
-        step()
-        devices.synchronize(device)
-        return devices.max_memory_allocated(device) - before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    return peak_live_bytes(prof)
+def op_contender(name: str, fn: Callable, inputs: tuple, mode: str, upstream: list[torch.Tensor]) -> Contender:
+    """A contender running ``fn(*inputs)`` in ``mode``:
+
+    - ``"forward"``: the forward as training runs it (inputs require grad, so autograd
+      saves what the backward needs); the graph is dropped untimed.
+    - ``"backward"``: the forward runs untimed in ``before``; the gradients of every
+      input for the ``upstream`` gradients are timed.
+    - ``"forward+backward"``: both, timed together.
+
+    Gradients are returned, not accumulated into ``.grad`` (which would add work that
+    is not the op's)."""
+    if mode == "forward":
+        return Contender(name, lambda: fn(*inputs))
+    if mode == "forward+backward":
+        return Contender(name, lambda: torch.autograd.grad(_as_tuple(fn(*inputs)), inputs, upstream))
+    if mode != "backward":
+        raise ValueError(f"op_contender(mode={mode!r}): expected 'forward', 'backward' or 'forward+backward'")
+    pending = []
+
+    def run_forward():
+        pending.append(_as_tuple(fn(*inputs)))
+
+    return Contender(name, lambda: torch.autograd.grad(pending.pop(), inputs, upstream), before=run_forward)
+
+
+def peak_memory_bytes(contender: Contender, device: torch.device) -> int:
+    """Peak bytes allocated while ``contender.step`` runs, above what was allocated before
+    it: the allocator's statistics on GPUs, the profiler's record of every allocation and
+    free on the CPU (which has no allocator statistics)."""
+    with contender.context():
+        contender.before()
+        if devices.is_gpu(device):
+            devices.synchronize(device)
+            before = devices.memory_allocated(device)
+            devices.reset_peak_memory_stats(device)
+            contender.step()
+            devices.synchronize(device)
+            peak = devices.max_memory_allocated(device) - before
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                        profile_memory=True) as prof:
+                contender.step()
+            peak = peak_live_bytes(prof)
+        contender.after()
+    return peak

@@ -1,0 +1,268 @@
+"""te_lab's benchmark suite: every fused op and two models, against eager PyTorch,
+torch.compile and (on GPUs, where installed) Liger-Kernel.
+
+    python -m te_lab.benchmarks.suite [--quick | --profile smoke|quick|cpu|gpu] [--device cpu]
+        [--ops rms_norm,glu] [--models llama-small,hf:llama-small] [--dtypes float32]
+        [--json results.json] [--markdown RESULTS.md] [--html results.html]
+
+A profile fixes the sizes, dtypes, modes, rounds and models; the options after it
+override its parts. ``cpu`` (the default on the CPU) and ``gpu`` (the default on a GPU)
+are the full runs; ``quick`` is a short check (minutes on a 2-core CPU); ``smoke`` is
+the smallest configuration, for the tests. The markdown report goes to stdout (and to
+``--markdown``), progress to stderr.
+
+Per op: each registered fused op's cases (benchmarks/cases.py) at each size and dtype,
+forward, backward and both, te_lab's backends against the eager baseline and
+torch.compile of it (see per_op.py). End to end: each model's training step and
+inference forward, eager, torch.compile, te_lab-fused and torch.compile of the fused
+model (see end_to_end.py). Results are JSON (the schema in schema.py), markdown and a
+self-contained HTML report; issue 9's targets are evaluated on them (targets.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from te_lab import device as devices
+from te_lab.kernels import registered_ops
+
+from . import end_to_end, environment, per_op
+from .cases import OP_CASES, OPTIMIZER_OPS, Size
+from .html_report import write_html
+from .report import markdown
+from .schema import SCHEMA_ID
+from .targets import evaluate
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """``sizes`` maps an op to its sizes, ``"*"`` to every other op's; ``ops`` None is
+    every registered op; ``dtypes`` None is every dtype the device supports."""
+
+    description: str
+    sizes: dict[str, tuple[Size, ...]]
+    ops: Optional[tuple[str, ...]] = None
+    dtypes: Optional[tuple[str, ...]] = None
+    modes: tuple[str, ...] = per_op.OP_MODES
+    rounds: int = 7
+    warmup: int = 2
+    models: tuple[str, ...] = ("llama-small", "hf:llama-small")
+    model_modes: tuple[str, ...] = end_to_end.MODEL_MODES
+    batch: int = 2
+    seq: int = 256
+    model_rounds: int = 5
+    extra: dict = field(default_factory=dict)
+
+    def sizes_for(self, op: str) -> tuple[Size, ...]:
+        return self.sizes.get(op, self.sizes["*"])
+
+
+PROFILES = {
+    "smoke": Profile(
+        "the smallest configuration (tests): two ops, tiny sizes, the tiny demo Llama's training step",
+        sizes={"*": (Size(32, 512),)}, ops=("rms_norm", "adamw"), dtypes=("float32",), rounds=3, warmup=1,
+        models=("llama-tiny",), model_modes=("train",), batch=1, seq=16, model_rounds=3),
+    "quick": Profile(
+        "every op at one size, float32, forward+backward; the mini demo and Hugging Face Llamas",
+        sizes={"*": (Size(512, 1024),), "fused_linear_cross_entropy": (Size(128, 1024),),
+               "bias_act": (Size(256, 1024),)},
+        dtypes=("float32",), modes=("forward+backward",), rounds=5, warmup=1,
+        models=("llama-mini", "hf:llama-mini"), model_modes=("train",), batch=2, seq=128, model_rounds=5),
+    "cpu": Profile(
+        "the full CPU run: every op at two or three sizes, float32 and bfloat16, forward, backward and both; "
+        "the small demo and Hugging Face Llamas",
+        sizes={"*": (Size(512, 1024), Size(2048, 1024), Size(2048, 2048)),
+               "bias_act": (Size(512, 1024), Size(1024, 2048)),
+               "attention": (Size(512, 1024), Size(2048, 1024)),
+               "fused_linear_cross_entropy": (Size(256, 1024), Size(512, 2048)),
+               "cross_entropy": (Size(512, 1024), Size(2048, 1024)),
+               "adamw": (Size(0, 1024), Size(0, 2048))},
+        dtypes=("float32", "bfloat16")),
+    "gpu": Profile(
+        "the full GPU run: every op at two sizes (hidden 2048-8192, 4096 tokens), bfloat16 and float32; "
+        "the small demo and Hugging Face Llamas",
+        sizes={"*": (Size(4096, 2048), Size(4096, 8192)),
+               "attention": (Size(1024, 2048), Size(4096, 2048)),
+               "bias_act": (Size(4096, 2048), Size(4096, 4096)),
+               "fused_linear_cross_entropy": (Size(4096, 2048), Size(4096, 4096)),
+               "adamw": (Size(0, 2048), Size(0, 8192))},
+        dtypes=("bfloat16", "float32"), rounds=10, warmup=3, batch=4, seq=1024, model_rounds=10),
+}
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() == "none" else tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The suite's options (``te-lab bench`` adds these to its subcommand)."""
+    parser.add_argument("--quick", action="store_true", help="the 'quick' profile: minutes on a 2-core CPU")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                        help="sizes, dtypes, modes, rounds and models to run (default: 'cpu' on the CPU, "
+                             "'gpu' on a GPU; the options below override parts of it)")
+    parser.add_argument("--device", default=None, help="device (default: te_lab's default device)")
+    parser.add_argument("--ops", default=None, help="comma-separated fused ops to run, or 'none' "
+                        "(default: the profile's; every registered op)")
+    parser.add_argument("--models", default=None, help="comma-separated models (te_lab.models.build_model "
+                        "names, e.g. llama-small,hf:llama-small), or 'none'")
+    parser.add_argument("--dtypes", default=None, help=f"comma-separated dtypes from {', '.join(DTYPES)}")
+    parser.add_argument("--modes", default=None, help="comma-separated per-op modes from "
+                        f"{', '.join(per_op.OP_MODES)}")
+    parser.add_argument("--model-modes", default=None, help="comma-separated from train, inference")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds per op case")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per contender before the rounds")
+    parser.add_argument("--model-rounds", type=int, default=None, help="interleaved timed rounds per model mode")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per batch for the models")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence for the models")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--json", default=None, help="write the results (JSON) here")
+    parser.add_argument("--markdown", default=None, help="write the markdown report here (it also goes to stdout)")
+    parser.add_argument("--html", default=None, help="write the self-contained HTML report here")
+
+
+def _error(where: str, given, expected: str) -> SystemExit:
+    print(f"te_lab.benchmarks.suite: {where}: got {given!r}; expected {expected}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def resolve_profile(args: argparse.Namespace, device: torch.device) -> Profile:
+    name = "quick" if args.quick else args.profile or ("gpu" if devices.is_gpu(device) else "cpu")
+    if args.quick and args.profile not in (None, "quick"):
+        raise _error("--quick with --profile", args.profile, "one of them")
+    profile = PROFILES[name]
+    overrides = {}
+    if args.ops is not None:
+        overrides["ops"] = _names(args.ops)
+    if args.models is not None:
+        overrides["models"] = _names(args.models)
+    for option in ("dtypes", "modes", "model_modes"):
+        if getattr(args, option) is not None:
+            overrides[option] = _names(getattr(args, option))
+    for option in ("rounds", "warmup", "model_rounds", "batch", "seq"):
+        if getattr(args, option) is not None:
+            overrides[option] = getattr(args, option)
+    profile = replace(profile, **overrides)
+    known_ops = tuple(registered_ops())
+    for option, values, allowed in (("--ops", profile.ops or (), known_ops), ("--dtypes", profile.dtypes or (), DTYPES),
+                                    ("--modes", profile.modes, per_op.OP_MODES),
+                                    ("--model-modes", profile.model_modes, end_to_end.MODEL_MODES)):
+        unknown = [value for value in values if value not in allowed]
+        if unknown:
+            raise _error(option, unknown[0], f"one of {', '.join(allowed)}")
+    for option in ("rounds", "model_rounds", "batch", "seq"):
+        if getattr(profile, option) < 1:
+            raise _error(f"--{option.replace('_', '-')}", getattr(profile, option), "a positive int")
+    return replace(profile, extra={"name": name})
+
+
+def _dtypes(profile: Profile, device: torch.device) -> list[torch.dtype]:
+    names = profile.dtypes or DTYPES
+    return [getattr(torch, name) for name in names if devices.supports_dtype(getattr(torch, name), device)]
+
+
+def _ops(profile: Profile) -> list[str]:
+    registered = list(registered_ops())
+    missing = [op for op in registered if op not in OP_CASES and op not in OPTIMIZER_OPS]
+    if missing:
+        raise RuntimeError(f"te_lab.benchmarks: no benchmark case for the registered op(s) {', '.join(missing)}; "
+                           "add one to benchmarks/cases.py")
+    return [op for op in registered if profile.ops is None or op in profile.ops]
+
+
+def _command_line() -> str:
+    program = sys.argv[0]
+    if program.endswith("suite.py"):
+        program = "python -m te_lab.benchmarks.suite"
+    return " ".join([os.path.basename(program) if "/" in program else program] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def _progress_printer():
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def collect(profile: Profile, device: torch.device, progress) -> dict:
+    """Run ``profile`` on ``device``; the results object (schema.py), targets included."""
+    progress("measuring the copy bandwidth")
+    env = environment.describe(device)
+    results = {"schema": SCHEMA_ID, "command": _command_line(),
+               "config": {"profile": profile.extra.get("name"), "description": profile.description,
+                          "ops": list(profile.ops) if profile.ops is not None else None,
+                          "dtypes": [str(d).removeprefix("torch.") for d in _dtypes(profile, device)],
+                          "modes": list(profile.modes), "rounds": profile.rounds, "warmup": profile.warmup,
+                          "models": list(profile.models), "model_modes": list(profile.model_modes),
+                          "batch": profile.batch, "seq": profile.seq, "model_rounds": profile.model_rounds,
+                          "sizes": {op: [[s.tokens, s.hidden] for s in sizes] for op, sizes in profile.sizes.items()}},
+               "environment": env, "ops": [], "models": []}
+    for dtype in _dtypes(profile, device):
+        for op in _ops(profile):
+            for size in profile.sizes_for(op):
+                results["ops"] += per_op.run_op(op, size, dtype, profile.modes, device,
+                                                ceilings=environment.ceilings(env, dtype), rounds=profile.rounds,
+                                                warmup=profile.warmup, progress=progress)
+    for model in profile.models:
+        results["models"] += end_to_end.run_model(model, device, batch=profile.batch, seq=profile.seq,
+                                                  rounds=profile.model_rounds, warmup=profile.warmup,
+                                                  modes=profile.model_modes, progress=progress)
+    results["targets"] = evaluate(results)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite with parsed ``args`` (see :func:`add_arguments`); the exit status."""
+    try:
+        device = devices.resolve(args.device)
+    except (TypeError, ValueError) as error:
+        print(f"te_lab.benchmarks.suite: --device: {error}", file=sys.stderr)
+        return 2
+    try:
+        profile = resolve_profile(args, device)
+    except SystemExit as exit_status:
+        return int(exit_status.code)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    for option in ("json", "markdown", "html"):
+        path = getattr(args, option)
+        if path is not None and not pathlib.Path(path).resolve().parent.is_dir():
+            print(f"te_lab.benchmarks.suite: --{option}: the folder of {path!r} does not exist", file=sys.stderr)
+            return 2
+    progress = _progress_printer()
+    progress(f"profile {profile.extra['name']} on {device}: {profile.description}")
+    results = collect(profile, device, progress)
+    text = markdown(results)
+    print(text)
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(text + "\n", encoding="utf-8")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    if args.html:
+        write_html(results, args.html)
+    progress("done")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

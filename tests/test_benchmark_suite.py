@@ -1,0 +1,196 @@
+"""The benchmark suite (te_lab.benchmarks): its smallest configuration end to end, the
+JSON against its schema, every speedup against the recorded medians; the pieces it is
+built from (paired ratios, interleaving, bytes from shapes, targets) on known inputs."""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from te_lab import device as devices
+from te_lab.benchmarks import cases, end_to_end, gpu_check, harness, per_op, stats, suite, targets, training_check
+from te_lab.benchmarks.end_to_end import CONTENDERS as MODEL_CONTENDERS
+from te_lab.benchmarks.schema import RESULTS_SCHEMA
+from te_lab.models import build_model, example_batch
+
+
+def _timing(name, samples):
+    return harness.Timing(name, first_call_ms=1.0, samples_ms=list(samples))
+
+
+def test_speedup_is_the_ratio_of_medians_with_paired_spread():
+    fast, slow = _timing("fast", [1.0, 2.0, 1.0, 1.0, 4.0]), _timing("slow", [3.0, 2.0, 3.0, 3.0, 2.0])
+    result = stats.speedup(fast, over=slow)
+    assert result.value == pytest.approx(3.0 / 1.0)
+    per_round = [3.0, 1.0, 3.0, 3.0, 0.5]
+    q1, q2, q3 = statistics.quantiles(per_round, n=4)
+    assert (result.round_q1, result.round_median, result.round_q3) == pytest.approx((q1, q2, q3))
+    # Resampling whole rounds can only reach ratios of medians of the paired samples.
+    assert 0.5 <= result.interval_low <= result.value <= result.interval_high <= 3.0
+    assert stats.speedup(fast, over=slow) == result  # seeded: the same every time
+
+
+def test_speedup_refuses_unpaired_samples():
+    with pytest.raises(ValueError, match="paired rounds, got 2 and 3"):
+        stats.speedup(_timing("a", [1, 2]), over=_timing("b", [1, 2, 3]))
+
+
+def test_interleaved_rotates_the_order_and_keeps_a_failing_contender_as_a_result():
+    calls = []
+
+    def broken():
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    contenders = [harness.Contender(name, (lambda name=name: calls.append(name))) for name in "ab"]
+    contenders.append(harness.Contender("broken", broken))
+    timings, _ = harness.interleaved(contenders, torch.device("cpu"), rounds=3, warmup=1)
+    # first call + 1 warm-up each, then rounds a b / b a / a b
+    assert calls == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b"]
+    assert [len(timings[name].samples_ms) for name in "ab"] == [3, 3]
+    assert timings["broken"].samples_ms == [] and timings["broken"].first_call_ms is None
+    assert timings["broken"].error.startswith("RuntimeError: no kernel for this shape (at ")
+
+
+def test_backward_contender_times_the_backward_of_a_fresh_forward():
+    x = torch.randn(4, 3, requires_grad=True)
+    upstream = harness.upstream_gradients(torch.sin, (x,))
+    contender = harness.op_contender("sin", torch.sin, (x,), "backward", upstream)
+    contender.before()
+    (grad,) = contender.step()
+    torch.testing.assert_close(grad, torch.cos(x.detach()) * upstream[0])
+    assert x.grad is None
+
+
+def test_bytes_moved_come_from_shapes_and_dtypes():
+    case = cases.rms_norm_case(torch.device("cpu"), torch.bfloat16, cases.Size(tokens=4, hidden=512))
+    activation, weight, rstd = 4 * 512 * 2, 512 * 2, 4 * 4  # bf16 x and w, float32 rstd per row
+    assert case.bytes_for("forward") == 2 * activation + weight + rstd  # read x, w; write y, rstd
+    assert case.bytes_for("backward") == 3 * activation + 2 * weight + rstd  # read dy, x, w, rstd; write dx, dw
+    assert case.bytes_for("forward+backward") == 5 * activation + 3 * weight + 2 * rstd
+    flce = cases.fused_linear_cross_entropy_case(torch.device("cpu"), torch.float32, cases.Size(4, 512))
+    assert flce.flops_for("forward+backward") == 3 * 2 * 4 * 512 * cases.VOCAB
+
+
+def _op_record(te_lab_over_eager, te_lab_over_compile, compile_over_eager):
+    def ratio(contender, over, value):
+        return {"contender": contender, "over": over, "value": value, "interval_low": value - 0.1,
+                "interval_high": value + 0.1, "round_median": value, "round_q1": value, "round_q3": value}
+
+    contender = {"kind": "te_lab", "auto": True, "error": None, "name": "te_lab[native]"}
+    return {"op": "layer_norm", "case": "layer_norm", "dtype": "float32", "mode": "forward",
+            "size": {"tokens": 8, "hidden": 512}, "contenders": [contender, {"kind": "eager", "name": "eager",
+                                                                           "auto": False, "error": None}],
+            "speedups": [ratio("te_lab[native]", "eager", te_lab_over_eager),
+                         ratio("te_lab[native]", "torch.compile", te_lab_over_compile),
+                         ratio("torch.compile", "eager", compile_over_eager)]}
+
+
+def test_targets_say_plainly_what_was_missed():
+    results = {"environment": {"device": "cpu"}, "models": [],
+               "ops": [_op_record(1.3, 1.1, 0.8), _op_record(0.9, 0.93, 1.2)]}
+    by_text = {t["target"]: t for t in targets.evaluate(results)}
+    never_slower = by_text["every op (CPU, float32): never slower than the eager baseline"]
+    assert never_slower["met"] is False and never_slower["measured"] == "met in 1 of 2 measurements"
+    assert never_slower["detail"] == ["MISSED layer_norm T=8 H=512 float32 forward: te_lab[native] 0.90x [0.80-1.00]"]
+    ahead = by_text["every op (CPU, float32): ahead of torch.compile where torch.compile loses to eager "
+                    "(as on add + LayerNorm)"]
+    assert ahead["met"] is True and ahead["measured"] == "met in 1 of 1 measurements"
+    assert by_text["llama-small training step (CPU): at least 1.2x eager"]["met"] is None
+    assert by_text["training step (GPU): at least 1.4x eager"]["measured"] == "not measured on this device"
+
+
+def test_unknown_options_are_refused_with_what_was_expected(capsys):
+    assert suite.main(["--profile", "smoke", "--dtypes", "float8"]) == 2
+    assert "--dtypes: got 'float8'; expected one of float32, bfloat16, float16" in capsys.readouterr().err
+    assert suite.main(["--ops", "rms_norm", "--json", "/nonexistent/folder/results.json"]) == 2
+
+
+def _recorded_speedups_match_medians(record):
+    medians = {c["name"]: c["median_ms"] for c in record["contenders"] if c["error"] is None}
+    for contender in record["contenders"]:
+        if contender["error"] is None:
+            assert contender["median_ms"] == statistics.median(contender["samples_ms"])
+    for ratio in record["speedups"]:
+        assert ratio["value"] == pytest.approx(medians[ratio["over"]] / medians[ratio["contender"]], rel=1e-12)
+    return medians
+
+
+@pytest.mark.slow
+def test_smallest_configuration_end_to_end(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("plotly")
+    paths = {kind: tmp_path / f"results.{kind}" for kind in ("json", "md", "html")}
+    status = suite.main(["--profile", "smoke", "--device", "cpu", "--json", str(paths["json"]),
+                         "--markdown", str(paths["md"]), "--html", str(paths["html"])])
+    assert status == 0
+    results = json.loads(paths["json"].read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["environment"]["copy_bandwidth_gbs"] > 0
+
+    timed_backends = {f"te_lab[{backend}]" for backend, _ in per_op.te_lab_backends("rms_norm", torch.device("cpu"))}
+    rms_records = [r for r in results["ops"] if r["op"] == "rms_norm"]
+    assert sorted(r["mode"] for r in rms_records) == sorted(per_op.OP_MODES)
+    for record in results["ops"]:
+        medians = _recorded_speedups_match_medians(record)
+        names = {c["name"] for c in record["contenders"]}
+        assert {"eager", "torch.compile"} <= set(medians), record["contenders"]
+        if record["op"] == "rms_norm":
+            assert names == {"eager", "torch.compile"} | timed_backends
+            assert sum(c["auto"] for c in record["contenders"]) == 1
+            contender = record["contenders"][0]
+            assert contender["gbs"] == pytest.approx(record["bytes_moved"] / (contender["median_ms"] * 1e-3) / 1e9)
+    adamw = next(r for r in results["ops"] if r["op"] == "adamw")
+    assert adamw["mode"] == "step" and len(adamw["speedups"]) >= 3
+
+    assert [r["mode"] for r in results["models"]] == ["train"]
+    for record in results["models"]:
+        medians = _recorded_speedups_match_medians(record)
+        assert set(medians) == set(MODEL_CONTENDERS), [c["error"] for c in record["contenders"]]
+        assert record["check"]["max_abs_difference"] < 1e-4  # eager and fused agree on the first step
+        te_lab_row = next(c for c in record["contenders"] if c["name"] == "te_lab")
+        assert te_lab_row["time_to_first_step_s"] == pytest.approx(record["fuse_s"] + te_lab_row["first_call_ms"] / 1e3)
+
+    report = paths["md"].read_text()
+    for target in results["targets"]:
+        assert target["target"] in report
+    assert "| llama-tiny | train | torch.compile(te_lab) |" in report
+    page = paths["html"].read_text()
+    assert "plotly" in page and "<script src=\"http" not in page  # plotly.js inlined: opens offline
+
+
+def test_inference_contender_runs_the_forward_without_autograd_in_eval_mode():
+    model = build_model("llama-tiny")
+    batch = example_batch(model, 1, 8)
+    contender = end_to_end._inference_contender("eager", model, model, batch)
+    _, logits = harness.timed_call(contender, torch.device("cpu"))
+    assert not model.training and not logits.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(input_ids=batch["input_ids"]).logits)
+
+
+def test_gpu_check_says_clearly_that_it_needs_a_gpu(capsys):
+    if devices.is_gpu(devices.default_device()):
+        pytest.skip("this machine has a GPU: the check runs for real there")
+    assert gpu_check.main([]) == 1
+    assert "gpu_check: no CUDA or MUSA GPU on this machine; nothing to check" in capsys.readouterr().err
+
+
+def test_gpu_check_compares_triton_kernels_with_float64_truth():
+    if not devices.triton_available(torch.device("cpu")):
+        pytest.skip(devices.triton_unavailable_reason("cpu"))
+    (case,) = cases.op_cases("rms_norm", torch.device("cpu"), torch.float32, cases.Size(tokens=8, hidden=512))
+    passed, triton_error, reference_error = gpu_check.check_case(case)
+    assert passed and 0 <= triton_error <= 2 * reference_error + 1e-5
+
+
+@pytest.mark.slow
+def test_autocast_training_check_trains_fused_and_unfused_side_by_side():
+    result = training_check.autocast_training_check(torch.device("cpu"), model="llama-tiny", steps=3, batch=1, seq=16)
+    unfused, fused = result["losses"]["unfused"], result["losses"]["fused"]
+    assert len(unfused) == len(fused) == 3
+    assert unfused[-1] < unfused[0]  # it trains
+    assert result["within_tolerance"], result["losses"]
+    assert result["max_loss_difference"] == max(abs(f - u) for f, u in zip(fused, unfused))
+    medians = result["median_step_ms"]
+    assert result["fused_speedup"]["value"] == pytest.approx(medians["unfused"] / medians["fused"], rel=1e-12)
