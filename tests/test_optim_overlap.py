@@ -122,12 +122,14 @@ def test_tied_weight_is_updated_once_after_its_last_use():
     assert_identical(model, reference)
 
 
-def test_checkpointed_layers_train_like_the_plain_step():
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_layers_train_like_the_plain_step(use_reentrant):
     model = models.llama("tiny", seed=0)
     reference = copy.deepcopy(model)
     for layer in model.model.layers:
-        # Recomputation runs inside backward: it must see the weights before their update.
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        # Recomputation runs inside backward: it must see the weights before their update
+        # (reentrant: inside a nested backward pass, where the layer's hooks fire).
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=use_reentrant)
     data = batches(model)
     handle = overlap_step(model, adamw())
     train_overlapped(model, handle, data)
@@ -306,6 +308,21 @@ def test_clip_grad_norm_after_backward_sees_no_gradients():
 def test_refusals_name_the_argument_and_the_alternative(kwargs, error, message):
     with pytest.raises(error, match=message):
         overlap_step(TwoHeads(), **kwargs)
+
+
+def test_refuses_a_retained_graph_before_updating_anything():
+    model = TwoHeads()
+    before = copy.deepcopy(model.state_dict())
+    with overlap_step(model, adamw()) as handle:
+        loss = model(inputs(1)[0], 0)
+        with pytest.raises(RuntimeError, match="retain_graph=True.*would read the weights this one updates"):
+            loss.backward(retain_graph=True)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+        # The pass was never opened: the next backward trains as usual.
+        model.zero_grad()
+        model(inputs(1)[0], 0).backward()
+        assert handle.backward_passes == 1 and model.trunk.weight.grad is None
 
 
 def test_refuses_parameters_that_already_hold_gradients_and_non_modules():

@@ -87,6 +87,7 @@ class OverlappedStep:
             with self._lock:
                 backward = self._open_backward
                 if backward is None:
+                    _refuse_retained_graph()
                     backward = self._open_backward = _BackwardPass(self)
                     # Runs once the whole backward pass has finished.
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -117,6 +118,17 @@ class OverlappedStep:
             optimizer.param_groups = groups
         # Consumed: the gradient's memory is freed now, not at zero_grad.
         param.grad = None
+
+
+def _refuse_retained_graph() -> None:
+    # Private but long-lived (AOTAutograd reads it); where absent, the docstring's warning stands.
+    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keeps_graph is not None and keeps_graph():
+        raise RuntimeError(
+            f"{NAME}: backward(retain_graph=True) (or create_graph=True) keeps the graph for another backward, "
+            f"which would read the weights this one updates in place (torch._fused_adamw_, FusedAdamW's CPU "
+            f"default, does not bump autograd's version counters, so autograd would not notice). Expected a backward that frees its graph; for several "
+            f"backward passes through one graph, remove() the hooks and call optimizer.step() after the last")
 
 
 class _BackwardPass:
@@ -155,9 +167,16 @@ def overlap_step(model: nn.Module, optimizer_factory: Optional[Callable] = None,
       gradients.
 
     Not supported (refused where detectable): a model wrapped in
-    ``DistributedDataParallel`` or sharded by FSDP (their gradient reductions run after
-    the hooks); optimizers whose update couples parameters or needs a closure (LBFGS);
-    ``use_reentrant=True`` checkpointing together with ``accumulation_steps > 1``.
+    ``DistributedDataParallel`` or sharded by FSDP2 (their gradient reductions run after
+    the hooks; wrapping after ``overlap_step`` is not detected); optimizers whose update
+    couples parameters or needs a closure (LBFGS; an optimizer's step hooks run once per
+    parameter, seeing only it in ``param_groups``); parameters added with
+    ``add_param_group`` later (make a new ``overlap_step``); ``use_reentrant=True``
+    checkpointing with ``accumulation_steps > 1`` (a pass is counted when the graph task
+    of its first hook ends, which may be a nested one); ``backward(retain_graph=True)``
+    (a second backward through the graph would read updated weights; raises
+    ``RuntimeError``). ``torch.autograd.grad`` writes no ``.grad``, so it updates nothing
+    (nor do ``te_lab.fuse``'s probes or ``te_lab.profile``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"{NAME}: model must be an nn.Module, got {type(model).__name__}")
