@@ -4,7 +4,7 @@ Importing te_lab registers its fused ops with torch (``te_lab::*`` custom ops) a
 fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
-from te_lab import device, kernels, models, modules, optim
+from te_lab import device, distributed, kernels, models, modules, optim
 from te_lab.profiler import ProfileReport, profile
 from te_lab.kernels import use_backend
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
@@ -39,6 +39,7 @@ __all__ = [
     "Variant",
     "__version__",
     "device",
+    "distributed",
     "fuse",
     "is_fused",
     "fusions",

@@ -27,6 +27,7 @@ from typing import Optional
 
 from torch.autograd import DeviceType
 
+from .communication import communication_ns
 from .device_kernels import device_kernels
 from .estimates import op_cost
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
@@ -63,6 +64,8 @@ class StepTrace:
     op_us: float = 0.0  # all top-level op time
     peak_memory_bytes: Optional[int] = None
     kernels: list = field(default_factory=list)  # DeviceKernel, on GPUs
+    communication_us: float = 0.0  # while collectives ran (te_lab.profiler.communication)
+    collectives: int = 0
 
 
 def _ancestors(event):
@@ -160,6 +163,8 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         first = min((k.start_ns for k in trace.kernels), default=0)
         trace.timeline = [TimelineEvent(mode, k.name, (k.start_ns - first) / 1e3, k.duration_ns / 1e3,
                                         f"stream {k.stream}", "", "") for k in trace.kernels]
+    communication, trace.collectives = communication_ns(events, trace.kernels)
+    trace.communication_us = communication / 1e3
     return trace
 
 

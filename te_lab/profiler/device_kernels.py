@@ -62,12 +62,17 @@ def device_kernels(activities) -> list[DeviceKernel]:
 
 def busy_ns(kernels: list[DeviceKernel]) -> int:
     """The union of the kernels' intervals (overlapping streams count once)."""
-    total, end = 0, None
-    for kernel in kernels:
-        if end is not None and kernel.end_ns <= end:
+    return union_ns((kernel.start_ns, kernel.end_ns) for kernel in kernels)
+
+
+def union_ns(intervals) -> int:
+    """The length of the union of (start, end) intervals, given sorted by start."""
+    total, covered_until = 0, None
+    for start, end in intervals:
+        if covered_until is not None and end <= covered_until:
             continue
-        total += kernel.end_ns - (kernel.start_ns if end is None else max(kernel.start_ns, end))
-        end = kernel.end_ns
+        total += end - (start if covered_until is None else max(start, covered_until))
+        covered_until = end
     return total
 
 

@@ -8,7 +8,13 @@ Targets:
 
 A step is the forward on ``inputs`` and, with ``backward=True``, the gradients of its
 loss (the output's ``loss``, else the sum of its tensors) w.r.t. every parameter and
-floating-point input, through ``torch.autograd.grad`` so no ``.grad`` is written.
+floating-point input, through ``torch.autograd.grad`` so no ``.grad`` is written. A
+``DistributedDataParallel`` model's backward is ``loss.backward()`` instead, so its
+gradient all-reduce runs and is measured (``.grad`` is put back as it was; with
+``gradient_as_bucket_view=True`` DDP's buckets hold ``.grad``, so profile between
+``zero_grad()`` and the next step). Collectives' time is reported per mode as
+communication; in a distributed run the report records its rank (``report.save``
+writes ``report.rank<r>.json``).
 Timed steps run without the profiler (warm-up first, modes alternating which goes
 first each round); then one profiled step per mode gives the attribution, launches,
 bytes, timeline and memory. The RNG state, parameters and gradients are left as found.
@@ -29,6 +35,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from te_lab import device as devices
+from te_lab import distributed
 from te_lab.kernels import use_backend
 from te_lab.surgery import fusions, is_fused, unfused
 from te_lab.surgery.probe import output_tensors, sample_as_inputs
@@ -63,7 +70,27 @@ FORMULAS = {
     "achieved_gbs": "bytes moved / region time",
     "achieved_gflops": "FLOPs / region time",
     "arithmetic_intensity": "FLOPs / bytes moved",
+    "communication_ms": "union of the intervals during which collectives ran in the profiled step (gloo's "
+                        "worker-thread events on the CPU, NCCL / MCCL kernels on GPUs), waiting for other ranks "
+                        "included; not part of the op time",
 }
+
+
+def _gradients(loss: torch.Tensor, leaves: list) -> None:
+    torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+def _backward_through_reducer(loss: torch.Tensor, leaves: list) -> None:
+    """``loss.backward()`` with every ``.grad`` put back as it was: DDP all-reduces in
+    hooks that run as ``.grad`` is written, which ``torch.autograd.grad`` never does."""
+    saved = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        loss.backward()
+    finally:
+        for leaf, grad in zip(leaves, saved):
+            leaf.grad = grad
 
 
 @dataclass
@@ -73,6 +100,7 @@ class _Mode:
     context: Callable[[], ContextManager]
     leaves: list
     labels: Callable[[], dict]  # key -> module to label, resolved inside the context
+    backward: Callable[[torch.Tensor, list], None] = _gradients
 
 
 def _floating_leaves(inputs) -> tuple[Any, list]:
@@ -131,10 +159,16 @@ def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
         prepared, input_leaves = _floating_leaves(inputs)
         leaves = [p for p in target.parameters() if p.requires_grad] + input_leaves
         run = _caller(target, prepared)
-        labels = _model_labels(target)
-        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels),
-                 _Mode("fused", run, contextlib.nullcontext, leaves, labels)]
-        return modes, type(target).__name__, _key_info(target)
+        model = distributed.unwrap(target)  # fusion paths are the wrapped model's
+        distributed.refuse_sharded(model, "te_lab.profile", "its eager mode would unfuse the model, whose originals "
+                                   "still hold the Parameters from before sharding; profile a (baseline, "
+                                   "candidate) pair of callables instead")
+        labels = _model_labels(model)
+        backward = _backward_through_reducer if distributed.is_data_parallel(target) else _gradients
+        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels, backward),
+                 _Mode("fused", run, contextlib.nullcontext, leaves, labels, backward)]
+        description = type(model).__name__ if model is target else f"{type(target).__name__}({type(model).__name__})"
+        return modes, description, _key_info(model)
     if isinstance(target, tuple) and len(target) == 2 and all(callable(t) for t in target):
         prepared, leaves = _floating_leaves(inputs)
         baseline, candidate = target
@@ -171,7 +205,7 @@ def _timed_step(mode: _Mode, backward: bool, device: torch.device) -> tuple[floa
     backward_ms = 0.0
     if backward:
         with devices.Timer(device) as backward_timer:
-            torch.autograd.grad(_loss(output), mode.leaves, allow_unused=True)
+            mode.backward(_loss(output), mode.leaves)
         backward_ms = backward_timer.elapsed_ms
     cpu_seconds = time.process_time() - cpu_start
     return forward_timer.elapsed_ms + backward_ms, forward_timer.elapsed_ms, backward_ms, cpu_seconds
@@ -194,7 +228,8 @@ def _environment(device: torch.device, target, inputs, description: str) -> Envi
     floating = tensors + (list(target.parameters()) if isinstance(target, nn.Module) else [])
     dtypes = {str(t.dtype).replace("torch.", "") for t in floating if t.is_floating_point()}
     return Environment(str(device), devices.device_name(device), torch.__version__, triton_version,
-                       torch.get_num_threads(), ",".join(sorted(dtypes)) or "-", shapes, description)
+                       torch.get_num_threads(), ",".join(sorted(dtypes)) or "-", shapes, description,
+                       *distributed.rank_and_world_size())
 
 
 def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: bool = True,
@@ -357,6 +392,7 @@ def _median_run(runs: list[_Profiled]) -> _Profiled:
         region.backward_ms = statistics.median(r.backward_ms for r in others if r is not None)
     first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
     first.trace.op_us = statistics.median(run.trace.op_us for run in runs)
+    first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
     return first
 
@@ -369,6 +405,9 @@ def _summary(name: str, samples: list, profiled: _Profiled, backward: bool, devi
                           profiled.trace.launches, profiled.peak_memory_bytes, profiled.peak_memory_source)
     if not devices.is_gpu(device):
         summary.effective_parallelism = statistics.median(c / (s * 1e-3) for c, s in zip(cpu, step) if s > 0)
+    if profiled.trace.collectives:
+        summary.communication_ms = profiled.trace.communication_us / 1e3
+        summary.collectives = profiled.trace.collectives
     return summary
 
 

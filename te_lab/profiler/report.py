@@ -36,6 +36,8 @@ class ModeSummary:
     peak_memory_bytes: Optional[int] = None
     peak_memory_source: str = ""
     effective_parallelism: Optional[float] = None
+    communication_ms: Optional[float] = None  # profiled step; None where it ran no collective
+    collectives: int = 0
 
 
 @dataclass
@@ -142,6 +144,8 @@ class Environment:
     dtype: str
     input_shapes: list = field(default_factory=list)
     target: str = ""
+    rank: Optional[int] = None  # in a torch.distributed run
+    world_size: int = 1
 
 
 @dataclass
@@ -165,8 +169,9 @@ class ProfileReport:
     def summary(self) -> str:
         eager, fused = self.modes["eager"], self.modes["fused"]
         env = self.environment
+        rank = "" if env.rank is None else f", rank {env.rank} of {env.world_size}"
         lines = [f"te_lab.profile: {env.target} on {env.device_name} ({env.device}, {env.threads} threads, "
-                 f"{env.dtype}), {len(eager.step_ms)} interleaved steps per mode"]
+                 f"{env.dtype}{rank}), {len(eager.step_ms)} interleaved steps per mode"]
         header = ("", "eager", "fused", "")
         rows = [
             ("step ms (median ± spread)", f"{eager.step_median_ms:.3f} ± {eager.step_spread_ms:.3f}",
@@ -179,6 +184,9 @@ class ProfileReport:
             ("effective parallelism", _num(eager.effective_parallelism), _num(fused.effective_parallelism),
              f"of {env.threads} threads"),
         ]
+        if eager.communication_ms is not None or fused.communication_ms is not None:
+            rows.append(("communication ms (profiled step)", _num(eager.communication_ms, 3),
+                         _num(fused.communication_ms, 3), f"collectives {eager.collectives}/{fused.collectives}"))
         if self.totals:
             rows.append(("bytes moved (estimate)", "", "", f"saved {self.totals.bytes_saved_estimate / 2**20:.1f} MiB"))
             rows.append(("time in fused ops", "", f"{100 * self.totals.fused_share:.0f}%", ""))
@@ -214,10 +222,23 @@ class ProfileReport:
 
     def to_html(self, path) -> "pathlib.Path":
         """One self-contained HTML file (plotly.js inlined, no network needed) with the
-        dashboard's charts and the summary table."""
+        dashboard's charts and the summary table (one per rank in a distributed run, named
+        as :meth:`save` names them)."""
         from te_lab.widgets.export import write_html
 
-        return write_html(self, path)
+        return write_html(self, self._per_rank(path))
+
+    def save(self, path) -> pathlib.Path:
+        """Write the JSON to ``path`` and return where it went: in a distributed run each
+        rank writes its own file, the rank before the suffix (``report.rank0.json``)."""
+        target = self._per_rank(path)
+        target.write_text(self.to_json(indent=1))
+        return target
+
+    def _per_rank(self, path) -> pathlib.Path:
+        path = pathlib.Path(path)
+        rank = self.environment.rank
+        return path if rank is None else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
     # ---- data -----------------------------------------------------------------------
 
@@ -260,8 +281,8 @@ def _mib(value: Optional[int]) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
 
-def _num(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _num(value: Optional[float], digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _ratio(value: Optional[float]) -> str:
