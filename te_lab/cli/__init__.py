@@ -1,0 +1,27 @@
+"""The ``te-lab`` command: ``demo``, ``profile``, ``bench``, ``info`` and ``lab``, one
+file per command. Each module has ``add_parser(subcommands)``, which declares its
+options and sets ``run(args) -> exit status`` as the parser's default."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from . import bench, demo, info, lab, profile
+
+COMMANDS = (demo, profile, bench, info, lab)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="te-lab", description="te_lab: fuse a Transformer's layers into fused kernels, verify and profile them.")
+    subcommands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        command.add_parser(subcommands)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args)
