@@ -49,7 +49,7 @@ def train_plain(model, optimizer, batch_list, scheduler=None):
             scheduler.step()
 
 
-def train_overlapped(model, handle, batch_list, scheduler=None):
+def train_overlapped(model, batch_list, scheduler=None):
     for batch in batch_list:
         model(**batch).loss.backward()
         if scheduler is not None:
@@ -91,7 +91,7 @@ def test_overlapped_step_equals_step_after_backward():
     handle = overlap_step(model, adamw())
     counts = step_counter(handle.optimizer)
     optimizer = adamw()(reference.parameters())
-    train_overlapped(model, handle, data)
+    train_overlapped(model, data)
     train_plain(reference, optimizer, data)
     assert_identical(model, reference)
     assert_same_state(handle.optimizer, optimizer)
@@ -115,7 +115,7 @@ def test_tied_weight_is_updated_once_after_its_last_use():
     data = batches(model)
     handle = overlap_step(model, adamw())
     counts = step_counter(handle.optimizer)
-    train_overlapped(model, handle, data)
+    train_overlapped(model, data)
     train_plain(reference, adamw()(reference.parameters()), data)
     # An update after the lm_head's contribution alone would miss the embedding's share.
     assert counts[id(model.lm_head.weight)] == STEPS
@@ -131,8 +131,8 @@ def test_checkpointed_layers_train_like_the_plain_step(use_reentrant):
         # (reentrant: inside a nested backward pass, where the layer's hooks fire).
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=use_reentrant)
     data = batches(model)
-    handle = overlap_step(model, adamw())
-    train_overlapped(model, handle, data)
+    overlap_step(model, adamw())
+    train_overlapped(model, data)
     train_plain(reference, adamw()(reference.parameters()), data)
     assert_identical(model, reference)
 
@@ -192,6 +192,25 @@ def test_parameters_without_gradients_and_frozen_parameters():
     assert torch.equal(model.scale, torch.ones(8))
 
 
+def test_a_parameter_unfrozen_after_hooking_is_still_updated():
+    model = TwoHeads()
+    reference = copy.deepcopy(model)
+    # The factory may ignore the trainable list: here it also takes the frozen scale.
+    handle = overlap_step(model, lambda trainable: adamw()(model.parameters()))
+    optimizer = adamw()(reference.parameters())
+    for net in (model, reference):
+        net.scale.requires_grad_(True)
+    for x in inputs(2):
+        model(x, 0).backward()
+        reference(x, 0).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # No hook on the scale: the end-of-backward sweep updated it.
+    assert not torch.equal(model.scale, torch.ones(8)) and model.scale.grad is None
+    assert_identical(model, reference)
+    assert_same_state(handle.optimizer, optimizer)
+
+
 def test_gradient_accumulation_updates_every_kth_backward():
     model = TwoHeads()
     reference = copy.deepcopy(model)
@@ -236,12 +255,12 @@ def test_learning_rate_schedules_and_param_groups():
     with warnings.catch_warnings():
         # lr_scheduler.step() before optimizer.step() warns: here the hooks called it.
         warnings.simplefilter("error")
-        train_overlapped(model, handle, data[:2], schedules[0])
+        train_overlapped(model, data[:2], schedules[0])
     train_plain(reference, optimizer, data[:2], schedules[1])
     for opt in (handle.optimizer, optimizer):
         for group in opt.param_groups:
             group["lr"] = 3e-3  # set by hand, for all groups
-    train_overlapped(model, handle, data[2:])
+    train_overlapped(model, data[2:])
     train_plain(reference, optimizer, data[2:])
     assert handle.optimizer.param_groups[0]["lr"] == 3e-3
     assert_identical(model, reference)
@@ -254,7 +273,7 @@ def test_state_dict_loads_both_ways():
     data = batches(model, 4)
     handle = overlap_step(model, adamw())
     optimizer = adamw()(reference.parameters())
-    train_overlapped(model, handle, data[:2])
+    train_overlapped(model, data[:2])
     train_plain(reference, optimizer, data[:2])
     # Mid-run, each takes the other's checkpoint: overlapped -> plain and plain -> overlapped.
     overlapped_state = copy.deepcopy(handle.optimizer.state_dict())
@@ -263,7 +282,7 @@ def test_state_dict_loads_both_ways():
     for opt in (handle.optimizer, optimizer):
         # load_state_dict made new group dicts; the hooks must read these.
         opt.param_groups[0]["lr"] = 2e-3
-    train_overlapped(model, handle, data[2:])
+    train_overlapped(model, data[2:])
     train_plain(reference, optimizer, data[2:])
     assert_identical(model, reference)
     assert_same_state(handle.optimizer, optimizer)
@@ -378,7 +397,7 @@ def test_fused_model_overlapped_equals_plain_step(fused_llama):
     model, initial, data = fused_llama
     assert te_lab.is_fused(model)
     with overlap_step(model, adamw()) as handle:
-        train_overlapped(model, handle, data)
+        train_overlapped(model, data)
         overlapped = copy.deepcopy(model.state_dict())
         overlapped_optimizer = handle.optimizer
     model.load_state_dict(initial)
