@@ -27,6 +27,7 @@ else:
     from .fused_linear_cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
     from .glu import geglu, glu, glu_reference, swiglu
     from .layer_norm import layer_norm, layer_norm_reference
+    from .linear import linear, linear_reference
     from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
     from .rms_norm import rms_norm, rms_norm_reference
     from .rope import apply_rotary, apply_rotary_reference
@@ -52,6 +53,8 @@ else:
         "glu_reference",
         "layer_norm",
         "layer_norm_reference",
+        "linear",
+        "linear_reference",
         "linear_act",
         "linear_act_reference",
         "registered_ops",

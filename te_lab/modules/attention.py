@@ -22,10 +22,12 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from te_lab.kernels.attention import ATTENTION, attention
+from te_lab.kernels.linear import LINEAR
 from te_lab.kernels.rope import ROPE, apply_rotary
 
 from .base import FusedModule
 from .call_arguments import forward_signature, named_arguments
+from .projection import linear_ops, project
 
 # Names model libraries give the KV cache argument (Hugging Face renamed it over releases).
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -91,6 +93,14 @@ class _FusedSelfAttention(FusedModule):
         batch, _, seq, _ = q.shape
         return out.transpose(1, 2).reshape(batch, seq, -1)
 
+    def _project(self, name: str, x: Tensor) -> Tensor:
+        # The projections' GEMMs join the fusion with the attention (not under only="rope").
+        module = self._modules[name]
+        return project(module, x, self.backend_for(LINEAR)) if self.fused_attention else module(x)
+
+    def _projection_ops(self, *names: str) -> tuple:
+        return linear_ops(*(self._modules[name] for name in names)) if self.fused_attention else ()
+
     def _result(self, out: Tensor):
         return (out, None) if self.returns_tuple else out
 
@@ -113,7 +123,8 @@ class FusedAttention(_FusedSelfAttention):
     @property
     def ops(self):
         # A property, not an attribute: fused ops hold functions, and a fused model pickles.
-        return tuple(op for op, fused in ((ATTENTION, self.fused_attention), (ROPE, self.fused_rope)) if fused)
+        fused_ops = tuple(op for op, fused in ((ATTENTION, self.fused_attention), (ROPE, self.fused_rope)) if fused)
+        return fused_ops + self._projection_ops(self.q_name, self.k_name, self.v_name, self.o_name)
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
@@ -122,12 +133,12 @@ class FusedAttention(_FusedSelfAttention):
         if position_embeddings is None or not self._covers(named, hidden_states.shape[-2]):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
-        q = self._modules[self.q_name](hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self._modules[self.k_name](hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self._modules[self.v_name](hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self._project(self.q_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self._project(self.k_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self._project(self.v_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin, backend=self.backend_for(ROPE) if self.fused_rope else "reference")
-        return self._result(self._modules[self.o_name](self._attend(q, k, v, named)))
+        return self._result(self._project(self.o_name, self._attend(q, k, v, named)))
 
 
 class FusedQKVAttention(_FusedSelfAttention):
@@ -140,7 +151,7 @@ class FusedQKVAttention(_FusedSelfAttention):
 
     @property
     def ops(self):
-        return (ATTENTION,) if self.fused_attention else ()
+        return ((ATTENTION,) if self.fused_attention else ()) + self._projection_ops(self.qkv_name, self.out_name)
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
@@ -149,9 +160,9 @@ class FusedQKVAttention(_FusedSelfAttention):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         width = self.num_heads * self.head_dim
-        q, k, v = self._modules[self.qkv_name](hidden_states).split(width, dim=-1)
+        q, k, v = self._project(self.qkv_name, hidden_states).split(width, dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self._modules[self.out_name](self._attend(q, k, v, named))
+        out = self._project(self.out_name, self._attend(q, k, v, named))
         if self.resid_dropout_name is not None:
             out = self._modules[self.resid_dropout_name](out)
         return self._result(out)

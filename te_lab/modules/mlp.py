@@ -20,9 +20,11 @@ from torch import Tensor, nn
 
 from te_lab.kernels.bias_act import BIAS_ACT, linear_act
 from te_lab.kernels.glu import GLU, glu
+from te_lab.kernels.linear import LINEAR
 
 from .base import FusedModule
 from .linear_like import linear_weight
+from .projection import linear_ops, project
 
 
 class FusedMLP(FusedModule):
@@ -49,7 +51,11 @@ class FusedMLP(FusedModule):
 
 
 class FusedGatedMLP(FusedModule):
-    ops = (GLU,)
+    @property
+    def ops(self):
+        # A property, not an attribute: fused ops hold functions, and a fused model pickles.
+        names = (self.gate_name, self.up_name, self.down_name)
+        return (GLU,) + linear_ops(*(self._modules[name] for name in names if name is not None))
 
     def __init__(self, original: nn.Module, *, gate: str, up: Optional[str], down: str, activation: str,
                  dropout: Optional[str] = None, backend: Optional[str] = None):
@@ -59,9 +65,11 @@ class FusedGatedMLP(FusedModule):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self._modules[self.gate_name](x)
-        up = None if self.up_name is None else self._modules[self.up_name](x)
-        h = self._modules[self.down_name](glu(gate, up, self.activation, backend=self.backend_for(GLU)))
+        backend = self.backend_for(LINEAR)
+        gate = project(self._modules[self.gate_name], x, backend)
+        up = None if self.up_name is None else project(self._modules[self.up_name], x, backend)
+        h = project(self._modules[self.down_name], glu(gate, up, self.activation, backend=self.backend_for(GLU)),
+                    backend)
         if self.dropout_name is not None:
             h = self._modules[self.dropout_name](h)
         return h

@@ -1,0 +1,126 @@
+"""te_lab's linear op (projections on oneDNN's GEMM) against F.linear, and how the twins route
+their projections through it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from te_lab.kernels import use_backend
+from te_lab.kernels.linear import LINEAR, linear, linear_reference
+from te_lab.modules import FusedGatedMLP
+from te_lab.modules.projection import MIN_ROUTED_WEIGHT, project, routes_to_linear
+
+from conftest import DEVICE, assert_close, backend_params, grads_of, leaf
+
+BACKENDS = backend_params(LINEAR)
+needs_native = pytest.mark.skipif("native" not in [p.values[0] for p in BACKENDS],
+                                  reason="no oneDNN linear kernel in this torch build / on this device")
+
+
+def _inputs(lead, in_features, out_features, bias, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(*lead, in_features, device=DEVICE, dtype=dtype)
+    weight = torch.randn(out_features, in_features, device=DEVICE, dtype=dtype) / in_features**0.5
+    return x, weight, (torch.randn(out_features, device=DEVICE, dtype=dtype) if bias else None)
+
+
+def _run(fn, x, weight, bias, **kwargs):
+    inputs = [leaf(t) for t in (x, weight, bias) if t is not None]
+    out = fn(*inputs, **kwargs)
+    return out, grads_of((out,), inputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lead, in_features, out_features", [((2, 37), 300, 129), ((64,), 17, 5)])
+def test_forward_and_gradients_match_f_linear(backend, bias, lead, in_features, out_features):
+    x, weight, b = _inputs(lead, in_features, out_features, bias)
+    out, grads = _run(linear, x, weight, b, backend=backend)
+    want, want_grads = _run(linear_reference, x, weight, b)
+    assert out.shape == (*lead, out_features) and len(grads) == (3 if bias else 2)
+    for got, expected in zip((out,) + grads, (want,) + want_grads):
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        assert_close(got, expected)
+
+
+@needs_native
+def test_native_reads_transposed_inputs_in_place_and_skips_unneeded_gradients():
+    x, weight, _ = _inputs((40,), 24, 16, False)
+    x_t = leaf(x.t().contiguous()).t()  # a transposed view: strides (1, 40)
+    frozen = weight.clone()  # requires no gradient
+    out = linear(x_t, frozen, backend="native")
+    (dx,) = torch.autograd.grad(out.sum(), [x_t])
+    assert_close(out, F.linear(x, weight))
+    assert_close(dx, torch.ones(40, 16) @ weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_ops_pass_opcheck(backend):
+    x, weight, bias = (leaf(t) for t in _inputs((3, 5), 8, 6, True))
+    torch.library.opcheck(torch.ops.te_lab.linear, (x, weight, bias, backend))
+    dy = torch.randn(3, 5, 6)
+    torch.library.opcheck(torch.ops.te_lab.linear_backward,
+                          (dy, x.detach(), weight.detach(), True, True, True, backend))
+
+
+@needs_native
+def test_automatic_choice_keeps_other_dtypes_on_f_linear_and_forced_native_refuses_float64():
+    x, weight, _ = _inputs((4,), 8, 8, False, torch.float64)
+    with torch.profiler.profile() as trace:
+        out = linear(x, weight)
+    assert "te_lab::linear" not in {event.name for event in trace.events()}  # float64 is F.linear's
+    assert_close(out, F.linear(x, weight))
+    with pytest.raises(ValueError, match=r"linear: backend 'native' \(from backend=\) cannot run x of dtype "
+                                         r"torch.float64: oneDNN takes float32"):
+        linear(x, weight, backend="native")
+    with use_backend(linear="native"):
+        half = linear(x.bfloat16(), weight.bfloat16())
+    assert_close(half, F.linear(x, weight).bfloat16(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: linear(torch.ones(2, 3), torch.ones(4, 5)), ValueError,
+     r"linear: weight has shape \(4, 5\); expected \(out_features, 3\)"),
+    (lambda: linear(torch.ones(2, 3), torch.ones(4, 3, dtype=torch.float64)), TypeError,
+     "linear: weight has dtype torch.float64; expected torch.float32 like x"),
+    (lambda: linear(torch.ones(2, 3), torch.ones(4, 3), torch.ones(3)), ValueError,
+     r"linear: bias has shape \(3,\); expected \(4,\), the out_features of weight"),
+    (lambda: linear(torch.ones(2, 3, dtype=torch.int64), torch.ones(4, 3)), TypeError,
+     "linear: x has dtype torch.int64"),
+])
+def test_errors_name_the_op_the_argument_and_what_was_expected(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _gated_mlp(hidden, intermediate):
+    torch.manual_seed(0)
+    mlp = nn.Module()
+    mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+    mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
+    mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
+    return mlp
+
+
+@needs_native
+def test_twins_route_large_plain_linear_children_and_call_the_rest_as_modules():
+    mlp = _gated_mlp(256, 512)
+    assert all(routes_to_linear(child) for child in mlp.children())
+    twin = FusedGatedMLP(mlp, gate="gate_proj", up="up_proj", down="down_proj", activation="silu")
+    assert twin.kernel_names() == ["te_lab::glu", "te_lab::linear"]
+    x = torch.randn(2, 8, 256)
+    with torch.profiler.profile() as trace:
+        twin(x)
+    assert sum(event.name == "te_lab::linear" for event in trace.events()) == 3
+
+    small = nn.Linear(16, 16)
+    assert small.weight.numel() < MIN_ROUTED_WEIGHT and not routes_to_linear(small)
+    calls = []
+    hooked = mlp.down_proj
+    hooked.register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    assert not routes_to_linear(hooked)  # a direct linear() would skip its hook
+    assert twin.kernel_names() == ["te_lab::glu", "te_lab::linear"]  # gate and up are still routed
+    twin(x)
+    assert calls == [torch.Size([2, 8, 256])]
+    assert_close(project(hooked, x.new_ones(3, 512), None), hooked(x.new_ones(3, 512)))
