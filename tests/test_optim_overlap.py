@@ -160,15 +160,16 @@ def inputs(count):
     return [torch.randn(4, 8, generator=generator) for _ in range(count)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", backend_params(ADAMW) + [pytest.param("reference", id="reference")])
-def test_every_adamw_backend_steps_one_parameter_as_it_steps_all(backend):
-    model = TwoHeads()
+def test_every_adamw_backend_steps_one_parameter_as_it_steps_all(backend, dtype):
+    model = TwoHeads().to(dtype)
     reference = copy.deepcopy(model)
     handle = overlap_step(model, adamw(backend))
     optimizer = adamw(backend)([p for p in reference.parameters() if p.requires_grad])
     for x in inputs(STEPS):
-        model(x, 0).backward()
-        reference(x, 0).backward()
+        model(x.to(dtype), 0).backward()
+        reference(x.to(dtype), 0).backward()
         optimizer.step()
         optimizer.zero_grad()
     assert_identical(model, reference)
