@@ -35,6 +35,7 @@ from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_label_tensor, check_labels_in_range, check_tensor
 from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
                             cross_entropy_reference, mean_over_labelled)
+from .linear import matmul_nt, runs_on_onednn
 from .precision import compute_dtype
 from .registry import FusedOp, register_op, select_backend
 
@@ -69,35 +70,49 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     """Per-token losses and the gradients of ``sum(token_weights * losses)`` (all weights 1
     when None) that are needed, chunk by chunk; None where not needed. The weight and bias
     gradients are sums over every token: they are accumulated and returned in the compute
-    precision (float32 for half-precision weights), for the caller to round once."""
+    precision (float32 for half-precision weights), for the caller to round once.
+
+    The products run where te_lab's ``linear`` would run them (oneDNN on CPUs where it
+    beats the BLAS); the first chunk writes the weight gradient, so it needs no zeros."""
     chunk_cross_entropy = CHUNK_IMPLEMENTATIONS[backend]
+    onednn = runs_on_onednn(hidden)
+
+    def product(a: Tensor, b: Tensor, bias_: Optional[Tensor] = None) -> Tensor:  # a @ b^T
+        return matmul_nt(a, b, bias_) if onednn else F.linear(a, b, bias_)
+
     tokens = hidden.shape[0]
     acc = compute_dtype(hidden)
     compute_grad = need_hidden or need_weight or need_bias
     losses = torch.empty(tokens, dtype=acc, device=hidden.device)
     # Contiguous, so each chunk's rows are a block the matmul can write with out=.
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    grad_weight = None
     grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias else None
     for start in range(0, tokens, chunk_size):
         stop = min(start + chunk_size, tokens)
         chunk = hidden[start:stop]
-        logits = F.linear(chunk, weight, bias)
+        logits = product(chunk, weight, bias)
         losses[start:stop], dlogits = chunk_cross_entropy.forward(
             logits, labels[start:stop], ignore_index, label_smoothing, z_loss, compute_grad, True)
         if not compute_grad:
             continue
         if token_weights is not None:
             dlogits.mul_(token_weights[start:stop, None])
-        if need_hidden:
+        if need_hidden and onednn:
+            grad_hidden[start:stop] = product(dlogits, weight.t())
+        elif need_hidden:
             torch.mm(dlogits, weight, out=grad_hidden[start:stop])
-        if need_weight:
-            if grad_weight.dtype == dlogits.dtype:
-                grad_weight.addmm_(dlogits.t(), chunk)
-            else:  # half-precision matmul, float32 accumulation across chunks
-                grad_weight.add_(torch.mm(dlogits.t(), chunk))
+        if need_weight and grad_weight is None:
+            grad_weight = product(dlogits.t(), chunk.t()).to(acc)
+        elif need_weight and (onednn or grad_weight.dtype != dlogits.dtype):
+            # half-precision products accumulate in float32 across chunks
+            grad_weight.add_(product(dlogits.t(), chunk.t()))
+        elif need_weight:
+            grad_weight.addmm_(dlogits.t(), chunk)
         if need_bias:
             grad_bias.add_(dlogits.sum(0, dtype=acc))
+    if need_weight and grad_weight is None:  # no tokens
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     return losses, grad_hidden, grad_weight, grad_bias
 
 

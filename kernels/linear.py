@@ -170,7 +170,7 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
                              f"the out_features of weight")
 
 
-def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
+def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
     """The registry's choice, except that an automatic ``native`` is kept only for the
     dtype it was measured to speed up (float32); a forced ``native`` refuses only what
     oneDNN cannot run."""
@@ -186,12 +186,19 @@ def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
     return chosen if x.dtype == torch.float32 else "reference"
 
 
+def runs_on_onednn(x: Tensor) -> bool:
+    """Whether :func:`linear` of ``x`` (backend chosen automatically, or by
+    ``use_backend``) runs on oneDNN: for ops whose GEMMs run inside them (the chunks of
+    fused_linear_cross_entropy)."""
+    return _choose_backend(x, None) == "native"
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
     """``F.linear(x, weight, bias)`` (``x`` [..., in], ``weight`` [out, in], ``bias``
     [out]) on the backend that runs its GEMMs fastest here (see the module doc).
     ``backend`` forces ``"native"`` (oneDNN) or ``"reference"`` (``F.linear``)."""
     _check_inputs(x, weight, bias)
-    chosen = _choose_backend(x, weight, backend)
+    chosen = _choose_backend(x, backend)
     if chosen == "reference":
         return linear_reference(x, weight, bias)
     return _linear_op(x, weight, bias, chosen)
