@@ -57,6 +57,18 @@ def check_reading_the_dashboard(text: str) -> None:
     assert candidates == 10 and kept_fused + kept_original == candidates
 
 
+def check_training(text: str) -> None:
+    assert "te_lab.fuse: 10 of 10 candidate modules fused in LlamaLM" in text
+    assert number_after("float32: largest loss difference over 12 steps:", text) <= 1e-4
+    if "does not support bfloat16" not in text:
+        assert number_after("largest relative loss difference", text) <= 1.6e-2  # bfloat16's rtol
+    assert "after 4 steps, overlapped parameters equal the plain step's: True; losses equal: True" in text
+    assert "refused: max_grad_norm=1.0 cannot be combined with overlapped updates" in text
+    updates = re.search(r"(\d+) parameter updates, (\d+) of them done before backward's last gradient", text)
+    total, early = map(int, updates.groups())
+    assert total == 21 and 0 < early < total
+
+
 def check_custom_fusion(text: str) -> None:
     for dtype in ("torch.float32", "torch.bfloat16"):
         assert f"{dtype}: forward max abs err" in text
@@ -85,7 +97,8 @@ def check_musa_and_gpus(text: str) -> None:
 # what a notebook needs beyond the notebook stack
 REQUIRES = {"02_huggingface": "transformers"}
 CHECKS = {"01_quickstart": check_quickstart, "02_huggingface": check_huggingface,
-          "03_reading_the_dashboard": check_reading_the_dashboard, "05_custom_fusion": check_custom_fusion,
+          "03_reading_the_dashboard": check_reading_the_dashboard, "04_training": check_training,
+          "05_custom_fusion": check_custom_fusion,
           "06_musa_and_gpus": check_musa_and_gpus}
 
 
