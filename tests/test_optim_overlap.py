@@ -308,6 +308,33 @@ def test_remove_and_context_manager():
     assert isinstance(overlap_step(model, adamw()), OverlappedStep)  # the parameters are free again
 
 
+def test_the_whole_model_gradients_never_coexist():
+    from te_lab.profiler.attribution import peak_live_bytes
+
+    layers = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
+    sizes = [p.numel() * p.element_size() for p in layers.parameters()]
+    x = torch.randn(1, 256)
+    optimizer = adamw()(layers.parameters())
+
+    def peak_of(step) -> int:
+        step()  # creates the optimizer state before the measured step
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as trace:
+            step()
+        return peak_live_bytes(trace)
+
+    def plain():
+        layers(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    plain_peak = peak_of(plain)
+    with overlap_step(layers, adamw()):
+        overlapped_peak = peak_of(lambda: layers(x).sum().backward())
+    # Plain: every gradient is alive at the step. Overlapped: one at a time (plus activations).
+    assert plain_peak >= sum(sizes)
+    assert overlapped_peak < 2 * max(sizes)
+
+
 def test_clip_grad_norm_after_backward_sees_no_gradients():
     model = TwoHeads()
     with overlap_step(model, adamw()):
