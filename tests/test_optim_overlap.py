@@ -26,6 +26,7 @@ from te_lab.kernels import FusedAdamW
 from te_lab.kernels.adamw import ADAMW
 from te_lab.optim import OverlappedStep, overlap_step
 from te_lab.profiler import profile_statement
+from te_lab.profiler.attribution import peak_live_bytes
 
 from conftest import backend_params
 
@@ -309,8 +310,6 @@ def test_remove_and_context_manager():
 
 
 def test_the_whole_model_gradients_never_coexist():
-    from te_lab.profiler.attribution import peak_live_bytes
-
     layers = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(8)])
     sizes = [p.numel() * p.element_size() for p in layers.parameters()]
     x = torch.randn(1, 256)
@@ -350,7 +349,8 @@ def test_clip_grad_norm_after_backward_sees_no_gradients():
     (dict(optimizer_factory=torch.optim.LBFGS), ValueError, "LBFGS's step re-evaluates the loss"),
     (dict(optimizer_factory=lambda params: FusedAdamW([nn.Parameter(torch.ones(2))])), ValueError,
      "is not a parameter of the model"),
-    (dict(optimizer_factory=FusedAdamW([nn.Parameter(torch.ones(2))])), TypeError, "optimizer_factory must be a callable"),
+    (dict(optimizer_factory=FusedAdamW([nn.Parameter(torch.ones(2))])), TypeError,
+     "optimizer_factory must be a callable"),
 ])
 def test_refusals_name_the_argument_and_the_alternative(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -121,14 +121,15 @@ class OverlappedStep:
 
 
 def _refuse_retained_graph() -> None:
-    # Private but long-lived (AOTAutograd reads it); where absent, the docstring's warning stands.
+    # Private but long-lived (AOTAutograd reads it); a torch build without it goes unchecked.
     keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     if keeps_graph is not None and keeps_graph():
         raise RuntimeError(
             f"{NAME}: backward(retain_graph=True) (or create_graph=True) keeps the graph for another backward, "
             f"which would read the weights this one updates in place (torch._fused_adamw_, FusedAdamW's CPU "
-            f"default, does not bump autograd's version counters, so autograd would not notice). Expected a backward that frees its graph; for several "
-            f"backward passes through one graph, remove() the hooks and call optimizer.step() after the last")
+            f"default, bumps no autograd version counter, so autograd would not notice). Expected a backward "
+            f"that frees its graph; for several backward passes through one graph, remove() the hooks and call "
+            f"optimizer.step() after the last")
 
 
 class _BackwardPass:
