@@ -462,6 +462,7 @@ def test_profiled_step_shows_updates_between_backward_ops(fused_llama):
         followed = [u for u in updates if any(b.start_us >= u.start_us + u.duration_us for b in backward)]
         assert len(followed) == len(updates) - 1, mode
         assert {e.path for e in updates} - {e.path for e in followed} == {"model.embed_tokens.weight"}
+    overlapped_report = report
 
     optimizer = adamw()(model.parameters())
 
@@ -477,3 +478,7 @@ def test_profiled_step_shows_updates_between_backward_ops(fused_llama):
         assert [e.name for e in updates] == ["te_lab::adamw_step"]
         assert updates[0].start_us >= max(b.start_us + b.duration_us for b in backward)
     model.load_state_dict(initial)
+    # The dashboard's timeline draws the updates as a phase of their own.
+    figures = pytest.importorskip("te_lab.widgets.figures")
+    drawn = [trace for trace in figures.timeline_figure(overlapped_report).data if trace.name == "optimizer"]
+    assert sum(len(trace.x) for trace in drawn) == 2 * len(names)  # eager and fused
