@@ -258,7 +258,11 @@ def test_fp16_gradscaler_training_of_a_fused_llama_with_fused_adamw_skips_overfl
         runs[label] = [_scaled_step(trained, optimizer, scaler, batch) for _ in range(8)]
         assert not _unchanged(trained, before), label
         assert int(optimizer.state[next(trained.parameters())]["step"]) == 8, label
-    # Fitting one batch: the loss falls, fused as unfused, and the two runs agree.
+    # Fitting one batch: the loss falls, fused as unfused, and the two runs agree: the first
+    # step within fp16's tolerance; later ones within bf16's, the looser one, since each
+    # step's fp16 rounding differences move the next update (measured: 0.02 after 8 steps
+    # at lr 1e-2, the loss down from 5.56 to 2.4).
     assert runs["fused"][-1] < runs["fused"][0] - 1.0
+    torch.testing.assert_close(runs["fused"][0], runs["unfused"][0], **TOLERANCES[torch.float16])
     torch.testing.assert_close(torch.tensor(runs["fused"]), torch.tensor(runs["unfused"]),
                                **TOLERANCES[torch.bfloat16])

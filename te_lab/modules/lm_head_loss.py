@@ -52,6 +52,8 @@ class FusedLMHeadLoss:
         self.original_forward: Callable = self.replaced_instance_forward or type(model).forward.__get__(model)
         self._signature = forward_signature(self.original_forward)
         self._body_signature = forward_signature(model._modules[body].forward)
+        # Read once here: torch.compile graph-breaks on dataclasses.fields of a class.
+        self._carried_field_names = _carried_field_names(output_type)
 
     def __call__(self, *args, **kwargs):
         named = named_arguments(self._signature, args, kwargs)
@@ -68,7 +70,7 @@ class FusedLMHeadLoss:
                                           reduction="mean" if num_items is None else "sum", backend=self.backend)
         if num_items is not None:
             loss = loss / num_items
-        return self.output_type(loss=loss, logits=None, **_carried_fields(self.output_type, body_output))
+        return self.output_type(loss=loss, logits=None, **_carried_fields(self._carried_field_names, body_output))
 
     def resolved_backends(self, device: torch.device) -> dict[str, str]:
         return {FUSED_LINEAR_CROSS_ENTROPY.name: select_backend(FUSED_LINEAR_CROSS_ENTROPY, device, self.backend)}
@@ -91,9 +93,15 @@ def _last_hidden_state(body_output: Any) -> Tensor:
     return hidden if hidden is not None else body_output[0]
 
 
-def _carried_fields(output_type: type, body_output: Any) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(output_type) or isinstance(body_output, Tensor):
-        return {}
+def _carried_field_names(output_type: type) -> tuple[str, ...]:
+    """The fields of ``output_type`` that the body's output can fill in."""
+    if not dataclasses.is_dataclass(output_type):
+        return ()
     names = {field.name for field in dataclasses.fields(output_type)}
-    return {name: getattr(body_output, name) for name in BODY_OUTPUT_FIELDS
-            if name in names and getattr(body_output, name, None) is not None}
+    return tuple(name for name in BODY_OUTPUT_FIELDS if name in names)
+
+
+def _carried_fields(names: tuple[str, ...], body_output: Any) -> dict[str, Any]:
+    if isinstance(body_output, Tensor):
+        return {}
+    return {name: getattr(body_output, name) for name in names if getattr(body_output, name, None) is not None}
