@@ -4,14 +4,13 @@ the mistakes a user makes rejected by name with the valid choices."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import free_port, serving
 
 from te_lab import ProfileReport
 from te_lab import device as devices
@@ -129,42 +128,20 @@ def test_bench_runs_the_benchmark_suite(tmp_path):
     assert result.stdout.startswith("# te_lab benchmark results")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_lab_serves_the_tutorial_notebooks(tmp_path):
     pytest.importorskip("jupyterlab")
     port = free_port()
     home = tmp_path / "home"
     environment = {**os.environ, "HOME": str(home), "JUPYTER_CONFIG_DIR": str(home / "config"),
                    "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTER_DATA_DIR": str(home / "data")}
-    server = subprocess.Popen([str(TE_LAB), "lab", "--port", str(port), "--no-browser", "--",
-                               "--IdentityProvider.token=", "--ServerApp.password="],
-                              cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents", timeout=2) as response:
-                    listing = json.load(response)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    server.kill()
-                    raise AssertionError(f"te-lab lab did not start:\n{server.communicate()[0]}") from None
-                time.sleep(0.5)
-        assert sorted(entry["name"] for entry in listing["content"] if entry["type"] == "notebook") == NOTEBOOKS
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    assert f"te-lab lab: JupyterLab on {REPO / 'notebooks'} at http://127.0.0.1:{port}/lab" in server.stdout.read()
+    command = [str(TE_LAB), "lab", "--port", str(port), "--no-browser", "--",
+               "--IdentityProvider.token=", "--ServerApp.password="]
+    log = tmp_path / "lab.log"
+    with serving(command, ready_url=f"http://127.0.0.1:{port}/api/status", log=log, env=environment, cwd=tmp_path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents", timeout=10) as response:
+            listing = json.load(response)
+    assert sorted(entry["name"] for entry in listing["content"] if entry["type"] == "notebook") == NOTEBOOKS
+    assert f"te-lab lab: JupyterLab on {REPO / 'notebooks'} at http://127.0.0.1:{port}/lab" in log.read_text()
 
 
 def test_lab_outside_a_checkout_needs_a_notebook_dir(tmp_path, capsys):

@@ -12,14 +12,11 @@ Screenshots go to test-artifacts/ (git-ignored). CI installs Debian's chromium
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import free_port, serving
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("jupyterlab")
@@ -46,12 +43,6 @@ NOTEBOOK_CELLS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def write_notebook(path: Path) -> None:
     cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
              for source in NOTEBOOK_CELLS]
@@ -75,29 +66,12 @@ def jupyterlab(tmp_path_factory):
     port = free_port()
     environment = {**os.environ, "HOME": str(home), "JUPYTER_CONFIG_DIR": str(config),
                    "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "IPYTHONDIR": str(home / "ipython")}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", "--ServerApp.port_retries=0", "--IdentityProvider.token=",
-         "--ServerApp.password=", f"--ServerApp.root_dir={root}"],
-        env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+               f"--ServerApp.port={port}", "--ServerApp.port_retries=0", "--IdentityProvider.token=",
+               "--ServerApp.password=", f"--ServerApp.root_dir={root}"]
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{server.stdout.read()}") from None
-                time.sleep(0.5)
+    with serving(command, ready_url=f"{url}/api/status", log=home / "jupyterlab.log", env=environment):
         yield url, root, home
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 @pytest.fixture(scope="module")
