@@ -7,6 +7,7 @@ Shapes at ``Size(tokens=T, hidden=H)``:
 
 - RMSNorm, add + LayerNorm:  [T, H]
 - Linear + GELU:             [T, H] @ [4H, H]^T + bias (GPT-2's MLP up-projection)
+- Linear:                    [T, H] @ [F, H]^T, F as below (Llama's MLP up-projection)
 - SwiGLU / GeGLU:            gate, up [T, F], F = 8H/3 rounded up to 128 (Llama's MLP)
 - RoPE:                      q [1, H/128, T, 128], k [1, H/512, T, 128] (GQA 4:1)
 - causal attention:          q, k, v [1, H/128, T, 128]
@@ -21,6 +22,8 @@ Bytes moved (N = elements of the activation, s = its element size), forward | ba
 - add + LayerNorm:    read x, r, w, b; write h, y   | read dy, dh, h; write dx      (8 N s in all)
 - Linear + GELU:      read x, W, b; write y         | read dy, pre-activation, x, W; write dx, dW
                       (compute-bound: FLOP/s matter; forward 2 T H 4H, backward twice that)
+- Linear:             read x, W; write y            | read dy, x, W; write dx, dW
+                      (compute-bound: forward 2 T H F, backward twice that)
 - SwiGLU / GeGLU:     read g, u; write y            | read dy, g, u; write dg, du   (8 N s)
 - RoPE on q and k:    read q, k, cos, sin; write q', k' | read dq', dk', cos, sin; write dq, dk
 - attention:          read q, k, v; write o         | read do, q, k, v, o; write dq, dk, dv (12 N s)
@@ -102,6 +105,11 @@ def hand_written_rms_norm(x, weight, eps=1e-6):
 def add_layer_norm(x, residual, weight, bias):
     h = x + residual
     return F.layer_norm(h, (h.shape[-1],), weight, bias), h
+
+
+def projection(x, weight):
+    """A bias-free nn.Linear's forward (Llama's projections)."""
+    return F.linear(x, weight)
 
 
 def linear_gelu(x, weight, bias):
@@ -276,12 +284,31 @@ def fused_linear_cross_entropy_case(device, dtype, size: Size) -> OpCase:
         liger=lambda functional: lambda hidden, head: functional.liger_fused_linear_cross_entropy(hidden, head, labels))
 
 
+def linear_case(device, dtype, size: Size) -> OpCase:
+    # Imported here: the op file is newer than some checkouts this suite runs in, and only
+    # a registered op's cases are ever built.
+    from te_lab.kernels.linear import linear
+
+    t, h, f = size.tokens, size.hidden, llama_ffn(size.hidden)
+    x = _act((t, h), device, dtype)
+    weight = (torch.randn(f, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
+    out = t * f * x.element_size()
+    forward_flops = 2 * t * h * f
+    return OpCase(
+        "linear", "linear", f"Linear {t}x{h}->{f} (no bias)", (x, weight),
+        baseline=projection,
+        fused=lambda x, weight, backend: linear(x, weight, backend=backend),
+        bytes_moved={"forward": _bytes(x, weight, out), "backward": _bytes(out, x, weight, x, weight)},
+        flops={"forward": forward_flops, "backward": 2 * forward_flops})
+
+
 # Every registered op but the optimizer, by name; an op missing here fails the suite
 # loudly, so a new kernel cannot go unmeasured.
 OP_CASES: dict[str, tuple[Callable, ...]] = {
     "rms_norm": (rms_norm_case,),
     "layer_norm": (layer_norm_case,),
     "bias_act": (bias_act_case,),
+    "linear": (linear_case,),
     "glu": (glu_case("silu"), glu_case("gelu_tanh")),
     "rope": (rope_case,),
     "attention": (attention_case,),

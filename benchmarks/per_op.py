@@ -55,10 +55,13 @@ def compiled(fn: Callable) -> Callable:
 
 
 def te_lab_backends(op_name: str, device: torch.device) -> list[tuple[str, bool]]:
-    """(backend, picked automatically) for every backend that can be timed here."""
+    """(backend, picked automatically) for every backend that can be timed here: the
+    reference only where automatic selection picks it (it is what a user gets then), and
+    Triton only on GPUs (the CPU's interpreter is for tests)."""
     op = registered_ops()[op_name]
     auto = select_backend(op, device)
-    timed = [b for b in available_backends(op, device) if b != "reference" and (b != "triton" or devices.is_gpu(device))]
+    timed = [b for b in available_backends(op, device)
+             if (b != "reference" or b == auto) and (b != "triton" or devices.is_gpu(device))]
     return [(backend, backend == auto) for backend in timed]
 
 
