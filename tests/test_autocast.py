@@ -5,6 +5,7 @@ and unfused under bf16 autocast; fp16 training with a GradScaler, whose skipping
 overflowed steps must survive the fused kernels and FusedAdamW."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from te_lab.kernels.glu import GLU
 from te_lab.kernels.layer_norm import LAYER_NORM
 from te_lab.kernels.rms_norm import RMS_NORM
 from te_lab.kernels.rope import ROPE
+from te_lab.modules import FusedRMSNorm
 
 from conftest import DEVICE, TOLERANCES, backend_params, interpreted
 
@@ -266,3 +268,40 @@ def test_fp16_gradscaler_training_of_a_fused_llama_with_fused_adamw_skips_overfl
     torch.testing.assert_close(runs["fused"][0], runs["unfused"][0], **TOLERANCES[torch.float16])
     torch.testing.assert_close(torch.tensor(runs["fused"]), torch.tensor(runs["unfused"]),
                                **TOLERANCES[torch.bfloat16])
+
+
+# ---- the float32 rule, which the CPU's autocast lists never trigger ----
+
+@pytest.fixture
+def autocast_lists_norms_as_float32(monkeypatch):
+    """Autocast rules as CUDA's: layer_norm and rms_norm on the float32 list."""
+    autocast_rules = importlib.import_module("te_lab.kernels.autocast")
+    listed = autocast_rules.aten_kernel_exists
+    monkeypatch.setattr(autocast_rules, "aten_kernel_exists", lambda name, device_type, autocast=False: (
+        autocast and name in ("aten::layer_norm", "aten::rms_norm")) or listed(name, device_type, autocast))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_norms_compute_and_return_float32_where_autocast_lists_them_so(op, autocast_lists_norms_as_float32):
+    x, weight = _randn(4, 6, 64, dtype=torch.bfloat16), _randn(64, seed=1)
+    fused = {"layer_norm": lambda x, w: layer_norm(x, w), "rms_norm": lambda x, w: rms_norm(x, w)}[op]
+    # What the ATen op does under such a rule: its inputs cast to float32.
+    original = {"layer_norm": lambda x, w: F.layer_norm(x.float(), (64,), w),
+                "rms_norm": lambda x, w: F.rms_norm(x.float(), (64,), w, 1e-6)}[op]
+    out, grads = _run(fused, (x, weight))
+    expected, expected_grads = _run(original, (x, weight))
+    assert out.dtype == torch.float32
+    assert_matches_normwise(out, expected, torch.float32)
+    for grad, expected_grad in zip(grads, expected_grads):
+        assert_matches_normwise(grad, expected_grad, torch.float32, what="gradient")
+
+
+def test_fused_rms_norm_without_eps_takes_the_epsilon_of_float32_where_autocast_casts_to_it(
+        autocast_lists_norms_as_float32):
+    norm = torch.nn.RMSNorm(64, eps=None).to(DEVICE)
+    fused = FusedRMSNorm(norm, eps=None)
+    x = _randn(4, 64, dtype=torch.bfloat16, scale=1e-3)  # rms near bf16's epsilon: eps matters
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = fused(x)
+    expected = F.rms_norm(x.float(), (64,), norm.weight, torch.finfo(torch.float32).eps)
+    assert_matches_normwise(out, expected, torch.float32)

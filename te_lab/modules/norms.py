@@ -10,14 +10,17 @@ import torch
 from torch import Tensor, nn
 
 from te_lab.kernels.layer_norm import LAYER_NORM, layer_norm
-from te_lab.kernels.rms_norm import RMS_NORM, rms_norm
+from te_lab.kernels.rms_norm import AUTOCAST as RMS_NORM_AUTOCAST, RMS_NORM, rms_norm
 
 from .base import FusedModule
 
 
 def _epsilon(eps: Optional[float], x: Tensor) -> float:
-    # nn.RMSNorm's eps=None means the machine epsilon of the input's dtype.
-    return torch.finfo(x.dtype).eps if eps is None else eps
+    # nn.RMSNorm's eps=None means the machine epsilon of the dtype F.rms_norm computes in:
+    # the input's, or float32 where autocast casts the input to it (as on CUDA).
+    if eps is not None:
+        return eps
+    return torch.finfo(RMS_NORM_AUTOCAST.cast_dtype(x.device.type) or x.dtype).eps
 
 
 class FusedRMSNorm(FusedModule):
