@@ -132,7 +132,7 @@ def build_wheel(tmp_path: Path) -> Path:
     the repository gets no build/ folder."""
     source = tmp_path / "source"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("te_lab", "kernels", "extensions"):
+    for folder in ("te_lab", "kernels", "extensions", "benchmarks"):
         shutil.copytree(REPO / folder, source / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
@@ -153,7 +153,7 @@ def test_wheel_installs_kernels_and_extensions_inside_te_lab_only(tmp_path):
     assert not outside
     assert top_level == ["te_lab"]
     for expected in ("te_lab/__init__.py", "te_lab/device.py", "te_lab/kernels/__init__.py",
-                     "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py"):
+                     "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py", "te_lab/benchmarks/suite.py"):
         assert expected in names
     # every module of the te_lab/ source tree ships (a subpackage missing from
     # pyproject's package list would silently drop out of the wheel)
