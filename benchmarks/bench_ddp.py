@@ -15,6 +15,7 @@ medians and the median of the per-pair ratios.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 
@@ -35,6 +36,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=30, help="timed steps per contender")
     parser.add_argument("--device", default=None, help="device type (musa, cuda, cpu); default: te_lab's default")
     parser.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    parser.add_argument("--timeout-s", type=float, default=300,
+                        help="a collective waiting longer than this fails (a rank died) instead of hanging")
     return parser.parse_args()
 
 
@@ -57,7 +60,8 @@ class _Contender:
 
 def main() -> None:
     arguments = _arguments()
-    device = te_lab.distributed.init_process_group(arguments.device)
+    device = te_lab.distributed.init_process_group(arguments.device,
+                                                   timeout=datetime.timedelta(seconds=arguments.timeout_s))
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plain = te_lab.models.build_model(arguments.model, device=device)
