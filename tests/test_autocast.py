@@ -21,6 +21,8 @@ from te_lab.kernels.cross_entropy import CROSS_ENTROPY
 from te_lab.kernels.fused_linear_cross_entropy import FUSED_LINEAR_CROSS_ENTROPY
 from te_lab.kernels.glu import GLU
 from te_lab.kernels.layer_norm import LAYER_NORM
+from te_lab.kernels.linear import LINEAR, linear
+from te_lab.kernels.registry import DISPATCH_KEYS
 from te_lab.kernels.rms_norm import RMS_NORM
 from te_lab.kernels.rope import ROPE
 from te_lab.modules import FusedRMSNorm
@@ -67,7 +69,24 @@ def assert_op_matches_under_autocast(fused, original, inputs, backend):
     return out
 
 
+def test_every_te_lab_custom_op_has_an_autocast_kernel_on_every_device_type():
+    # An op without one would run its implementation inside the autocast region.
+    ops = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("te_lab::"))
+    assert "te_lab::rms_norm" in ops and "te_lab::attention_backward" in ops
+    missing = [(op, key) for op in ops for key in DISPATCH_KEYS.values()
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autocast" + key)]
+    assert not missing
+
+
 # ---- each op against the ATen op or model code it replaces ----
+
+@pytest.mark.parametrize("backend", backend_params(LINEAR))
+def test_linear_runs_in_low_precision_like_torch_linear(backend):
+    x, weight, bias = _randn(4, 6, 32), _randn(48, 32, seed=1, scale=0.2), _randn(48, seed=2)
+    out = assert_op_matches_under_autocast(lambda x, w, b: linear(x, w, b, backend=backend), F.linear,
+                                           (x, weight, bias), backend)
+    assert out.dtype == AUTOCAST_DTYPE
+
 
 @pytest.mark.parametrize("backend", backend_params(RMS_NORM))
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-stream", "bf16-activation"])
