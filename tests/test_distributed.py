@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import te_lab
 from te_lab import models
 from te_lab.profiler.communication import communication_ns
 from te_lab.profiler.device_kernels import DeviceKernel
-from te_lab.profiler.report import Environment
+from te_lab.profiler.report import Environment, ModeSummary
 
 WORLD_SIZE = 2
 STEPS = 10
@@ -343,6 +344,22 @@ def test_report_files_carry_the_rank(tmp_path):
     path = report.save(tmp_path / "report.json")
     assert path == tmp_path / "report.rank1.json"
     assert te_lab.ProfileReport.from_json(path.read_text()).environment == report.environment
+
+
+def test_report_views_show_communication_apart():
+    figures = pytest.importorskip("te_lab.widgets.figures")  # plotly
+    environment = Environment("cpu", "CPU", torch.__version__, None, 1, "float32", rank=1, world_size=2)
+    report = te_lab.ProfileReport(environment, modes={
+        "eager": ModeSummary("eager", [5.0], [2.0], [3.0], 5.0, communication_ms=2.5, collectives=2),
+        "fused": ModeSummary("fused", [4.0], [1.5], [2.5], 4.0, communication_ms=1.25, collectives=2)})
+    summary = report.summary()
+    assert "(cpu, 1 threads, float32, rank 1 of 2)" in summary
+    assert re.search(r"communication ms \(profiled step\) +2\.500 +1\.250 +collectives 2/2", summary)
+    assert figures.summary_cards(report)[-1] == ("communication (profiled step), rank 1",
+                                                 "eager 2.500 ms / fused 1.250 ms")
+    report.modes["eager"].communication_ms = report.modes["fused"].communication_ms = None
+    assert "communication" not in report.summary()
+    assert all("communication" not in title for title, _ in figures.summary_cards(report))
 
 
 def test_init_process_group_names_the_missing_launch_variables(monkeypatch):

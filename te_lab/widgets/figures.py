@@ -215,7 +215,7 @@ def summary_cards(report: ProfileReport) -> list[tuple[str, str]]:
     """``(title, value)`` pairs for the dashboard's headline row."""
     eager, fused = report.modes["eager"], report.modes["fused"]
     totals = report.totals
-    return [
+    cards = [
         ("step time", f"eager {eager.step_median_ms:.3f} ms / fused {fused.step_median_ms:.3f} ms"),
         ("speedup", _ratio(totals.speedup if totals else None)),
         ("time saved per step", f"{totals.time_saved_ms:.3f} ms" if totals else "-"),
@@ -224,11 +224,20 @@ def summary_cards(report: ProfileReport) -> list[tuple[str, str]]:
         ("peak memory", f"eager {_mib(eager.peak_memory_bytes)} / fused {_mib(fused.peak_memory_bytes)}"),
         ("modules fused", str(sum(module.key != OTHER_KEY for module in report.modules))),
     ]
+    if eager.communication_ms is not None or fused.communication_ms is not None:
+        rank = report.environment.rank
+        cards.append(("communication (profiled step)" + ("" if rank is None else f", rank {rank}"),
+                      f"eager {_ms(eager.communication_ms)} / fused {_ms(fused.communication_ms)}"))
+    return cards
 
 
 def _ratio(value: float | None) -> str:
     # NaN: the report's speedup when the fused step took no time.
     return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} ms"
 
 
 def _mib(value: int | None) -> str:
