@@ -370,6 +370,9 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     - ``dry_run=True`` finds, builds and probes (and with ``auto``, times) every candidate
       but swaps nothing: rows that would be fused say ``would-fuse``.
     - ``progress``: show a progress bar (default: where a terminal or notebook shows one).
+
+    A ``DistributedDataParallel`` wrapper has its wrapped module fused; a model already
+    sharded by FSDP2's ``fully_shard`` (DTensor parameters) is refused: fuse, then shard.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.fuse: model must be a torch.nn.Module, got {type(model).__name__}")
