@@ -334,6 +334,30 @@ def test_unfuse_refuses_after_sharding(one_rank_group):
     assert te_lab.is_fused(model)
 
 
+@pytest.mark.parametrize("entry", ["profile", "profile_statement"])
+def test_profile_of_a_ddp_model_backpropagates_through_its_reducer(one_rank_group, entry):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from te_lab.profiler import profile_statement
+
+    model = models.build_model("llama-tiny")
+    te_lab.fuse(model, verify=False, backend="reference")  # the ops' reference math: nothing to compile
+    ddp = DistributedDataParallel(model)
+    batch = model.example_batch()
+    if entry == "profile":
+        report = te_lab.profile(ddp, batch, steps=1, warmup=0)
+    else:
+        report = profile_statement(lambda: ddp(**batch), {"model": ddp}, steps=1, warmup=0)
+    # The keys are the wrapped model's module paths (fuse fused ddp.module).
+    assert {"(model) lm_head + loss", "model.layers.0.mlp", "model.norm"} <= {c.key for c in report.modules}
+    for mode in ("eager", "fused"):
+        # DDP's buffer broadcast in forward and its gradient all-reduce in backward, which
+        # torch.autograd.grad would have skipped.
+        assert report.modes[mode].collectives == 2
+    assert all(p.grad is None for p in ddp.parameters())
+    assert report.environment.rank == 0 and report.environment.world_size == 1
+
+
 def test_communication_is_the_union_of_collective_kernels_and_gloo_events():
     kernel = functools.partial(DeviceKernel, blocks=None, occupancy=None, launched_ns=None)
     kernels = [kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 100), kernel("mcclKernel_AllGather", 50, 100),

@@ -265,10 +265,10 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
         if not isinstance(model, nn.Module) or not is_fused(model):
             raise ValueError(f"te_lab.profile_statement: models[{name!r}] is not a model with te_lab fusions")
     several = len(models) > 1
-    labels_of = {name: _model_labels(model) for name, model in models.items()}
+    labels_of = {name: _model_labels(distributed.unwrap(model)) for name, model in models.items()}
     key_info = {}
     for name, model in models.items():
-        for key, info in _key_info(model).items():
+        for key, info in _key_info(distributed.unwrap(model)).items():
             key_info[f"{name}.{key}" if several else key] = info
 
     def labels() -> dict:
@@ -282,8 +282,10 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
         return stack
 
     leaves = [p for model in models.values() for p in model.parameters() if p.requires_grad]
-    modes = [_Mode("eager", run, all_unfused, leaves, labels), _Mode("fused", run, contextlib.nullcontext, leaves,
-                                                                     labels)]
+    backward = (_backward_through_reducer if any(distributed.is_data_parallel(m) for m in models.values())
+                else _gradients)
+    modes = [_Mode("eager", run, all_unfused, leaves, labels, backward),
+             _Mode("fused", run, contextlib.nullcontext, leaves, labels, backward)]
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
