@@ -66,6 +66,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     command = jupyter_command(args, notebook_dir.resolve())
     print(f"te-lab lab: JupyterLab on {notebook_dir.resolve()} at http://{args.ip}:{args.port}/lab "
-          f"(Ctrl-C stops it)", flush=True)
+          f"(JupyterLab prints the address with its access token below; Ctrl-C stops it)", flush=True)
     # Replace this process, so signals (Ctrl-C, a terminate) reach JupyterLab itself.
     os.execv(command[0], command)
