@@ -191,6 +191,17 @@ def _step_loss(model, batch, dtype):
         return model(**batch).loss
 
 
+def test_fusing_inside_an_autocast_region_probes_with_the_regions_tolerance():
+    model = models.build_model("llama-tiny", seed=0).to(DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        report = te_lab.fuse(model, sample=model.example_batch(2, 16), progress=False)
+    assert all(row.status == "fused" for row in report.rows), str(report)
+    assert report.model_check.within_tolerance
+    # The probes saw bf16 math: the attention twin's differences exceed float32's tolerance.
+    attention_rows = [row for row in report.rows if row.rule == "attention"]
+    assert attention_rows and all(row.grad_max_abs > 1e-4 for row in attention_rows)
+
+
 @pytest.mark.slow
 def test_fused_llama_trains_like_the_unfused_one_under_bf16_autocast():
     model, reference = _fused_and_unfused()

@@ -129,8 +129,21 @@ class Difference:
     failure: str = ""
 
 
+def _tolerance_dtype(expected: Tensor) -> torch.dtype:
+    """``expected``'s dtype, or inside an autocast region on its device the region's
+    low-precision dtype where that is coarser: autocast may have run any of the math
+    behind ``expected`` in it (fusing inside a bf16 region probes bf16 computations)."""
+    device_type = expected.device.type
+    if expected.is_floating_point() and torch.is_autocast_enabled(device_type):
+        region_dtype = torch.get_autocast_dtype(device_type)
+        if torch.finfo(region_dtype).eps > torch.finfo(expected.dtype).eps:
+            return region_dtype
+    return expected.dtype
+
+
 def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, normwise: bool = False) -> Difference:
-    """Compare with DESIGN.md's tolerance for ``expected``'s dtype: element by element
+    """Compare with DESIGN.md's tolerance for ``expected``'s dtype (under autocast: the
+    region's, see :func:`_tolerance_dtype`): element by element
     (``|a - b| <= atol + rtol * |b|``), or with ``normwise`` against the tensor's scale
     (``max |a - b| <= atol + rtol * max |b|``). Gradients are sums over every token; an
     element whose terms nearly cancel carries the summation-order noise of the whole
@@ -150,13 +163,15 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
     if actual.numel() == 0:
         return Difference(name, 0.0, 0.0, True)
     a, b = actual.detach().double(), expected.detach().double()
-    tolerance = TOLERANCES.get(expected.dtype, TOLERANCES[torch.float32])
+    tolerance_dtype = _tolerance_dtype(expected)
+    tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
     both_nan = torch.isnan(a) & torch.isnan(b)
     error = torch.where(both_nan, torch.zeros_like(a), (a - b).abs())
     max_abs = float(error.max())
     scale = float(b.abs().nan_to_num(0.0).max())
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    dtype = str(expected.dtype).replace("torch.", "")
+    dtype = str(tolerance_dtype).replace("torch.", "") + (
+        "" if tolerance_dtype == expected.dtype else " (autocast)")
     if normwise:
         allowed = tolerance["atol"] + tolerance["rtol"] * scale
         within = max_abs <= allowed and not bool(torch.isnan(a).ne(torch.isnan(b)).any())
