@@ -28,7 +28,7 @@ import pathlib
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -51,6 +51,7 @@ class Profile:
     """``sizes`` maps an op to its sizes, ``"*"`` to every other op's; ``ops`` None is
     every registered op; ``dtypes`` None is every dtype the device supports."""
 
+    name: str
     description: str
     sizes: dict[str, tuple[Size, ...]]
     ops: Optional[tuple[str, ...]] = None
@@ -64,7 +65,6 @@ class Profile:
     seq: int = 256
     model_rounds: int = 5
     model_warmup: int = 1
-    extra: dict = field(default_factory=dict)
 
     def sizes_for(self, op: str) -> tuple[Size, ...]:
         return self.sizes.get(op, self.sizes["*"])
@@ -72,17 +72,17 @@ class Profile:
 
 PROFILES = {
     "smoke": Profile(
-        "the smallest configuration (tests): two ops, tiny sizes, the tiny demo Llama's training step",
+        "smoke", "the smallest configuration (tests): two ops, tiny sizes, the tiny demo Llama's training step",
         sizes={"*": (Size(32, 512),)}, ops=("rms_norm", "adamw"), dtypes=("float32",), rounds=3, warmup=1,
         models=("llama-tiny",), model_modes=("train",), batch=1, seq=16, model_rounds=3, model_warmup=0),
     "quick": Profile(
-        "every op at one size, float32, forward+backward; the mini demo Llama's training step",
+        "quick", "every op at one size, float32, forward+backward; the mini demo Llama's training step",
         sizes={"*": (Size(512, 1024),), "fused_linear_cross_entropy": (Size(512, 256),),
                "bias_act": (Size(256, 1024),), "linear": (Size(256, 1024),)},
         dtypes=("float32",), modes=("forward+backward",), rounds=5, warmup=1,
         models=("llama-mini",), model_modes=("train",), batch=2, seq=128, model_rounds=5),
     "cpu": Profile(
-        "the full CPU run: every op at two sizes, float32 and bfloat16, forward, backward and both; "
+        "cpu", "the full CPU run: every op at two sizes, float32 and bfloat16, forward, backward and both; "
         "the small demo and Hugging Face Llamas",
         # GEMM-bound cases stay small: one fp32 GFLOP takes ~30 ms on this project's 2-core CPUs.
         # The LM head's larger case has tokens x vocab well above hidden x vocab, as in training,
@@ -96,7 +96,7 @@ PROFILES = {
                "adamw": (Size(0, 1024), Size(0, 2048))},
         dtypes=("float32", "bfloat16"), batch=1),
     "gpu": Profile(
-        "the full GPU run: every op at two sizes (hidden 2048-8192, 4096 tokens), bfloat16 and float32; "
+        "gpu", "the full GPU run: every op at two sizes (hidden 2048-8192, 4096 tokens), bfloat16 and float32; "
         "the small demo and Hugging Face Llamas",
         sizes={"*": (Size(4096, 2048), Size(4096, 8192)),
                "attention": (Size(1024, 2048), Size(4096, 2048)),
@@ -181,7 +181,7 @@ def resolve_profile(args: argparse.Namespace, device: torch.device) -> Profile:
     for option in ("rounds", "model_rounds", "batch", "seq"):
         if getattr(profile, option) < 1:
             raise _error(f"--{option.replace('_', '-')}", getattr(profile, option), "a positive int")
-    return replace(profile, extra={"name": name})
+    return profile
 
 
 def _dtypes(profile: Profile, device: torch.device) -> list[torch.dtype]:
@@ -219,7 +219,7 @@ def collect(profile: Profile, device: torch.device, progress) -> dict:
     progress("measuring the copy bandwidth")
     env = environment.describe(device)
     results = {"schema": SCHEMA_ID, "command": _command_line(),
-               "config": {"profile": profile.extra.get("name"), "description": profile.description,
+               "config": {"profile": profile.name, "description": profile.description,
                           "ops": list(profile.ops) if profile.ops is not None else None,
                           "dtypes": [str(d).removeprefix("torch.") for d in _dtypes(profile, device)],
                           "modes": list(profile.modes), "rounds": profile.rounds, "warmup": profile.warmup,
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"te_lab.benchmarks.suite: --{option}: the folder of {path!r} does not exist", file=sys.stderr)
             return 2
     progress = _progress_printer()
-    progress(f"profile {profile.extra['name']} on {device}: {profile.description}")
+    progress(f"profile {profile.name} on {device}: {profile.description}")
     results = collect(profile, device, progress)
     text = markdown(results)
     print(text)

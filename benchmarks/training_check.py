@@ -40,9 +40,10 @@ def _training_contender(name: str, model: torch.nn.Module, optimizer, batch: dic
 
 
 def autocast_training_check(device: torch.device, *, model: str = "llama-mini", steps: int = 20, batch: int = 4,
-                            seq: int = 128, dtype: torch.dtype = torch.bfloat16, progress=lambda _: None) -> dict:
-    """Train ``model`` unfused and fused for ``steps`` steps each under autocast to
-    ``dtype``. Returns both loss curves, whether they agree within ``dtype``'s tolerance
+                            seq: int = 128, dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+                            progress=lambda _: None) -> dict:
+    """Train ``model`` unfused and fused (``te_lab.fuse(..., backend=backend)``) for
+    ``steps`` steps each under autocast to ``dtype``. Returns both loss curves, whether they agree within ``dtype``'s tolerance
     (``|fused - unfused| <= atol + rtol * |unfused|`` at every step), the largest
     difference, each contender's median step time and the fused model's speedup."""
     if steps < 2:
@@ -50,7 +51,7 @@ def autocast_training_check(device: torch.device, *, model: str = "llama-mini", 
     unfused, fused = build_model(model, device=device), build_model(model, device=device)
     sample = example_batch(unfused, batch, seq)
     progress(f"{model}: fusing")
-    te_lab.fuse(fused, sample=sample, progress=False)
+    te_lab.fuse(fused, sample=sample, backend=backend, progress=False)
     losses = {"unfused": [], "fused": []}
     contenders = [
         _training_contender("unfused", unfused, torch_adamw(unfused, device), sample, dtype, device, losses["unfused"]),
@@ -66,7 +67,7 @@ def autocast_training_check(device: torch.device, *, model: str = "llama-mini", 
     differences = [abs(f - u) for f, u in zip(curves["fused"], curves["unfused"])]
     agree = all(d <= tolerance["atol"] + tolerance["rtol"] * abs(u) for d, u in zip(differences, curves["unfused"]))
     ratio = speedup(timings["fused"], over=timings["unfused"])
-    return {"model": model, "dtype": str(dtype).removeprefix("torch."), "steps": steps, "batch": batch, "seq": seq,
+    return {"model": model, "dtype": str(dtype).removeprefix("torch."), "backend": backend, "steps": steps, "batch": batch, "seq": seq,
             "losses": curves, "within_tolerance": agree, "max_loss_difference": max(differences),
             "median_step_ms": {name: timing.median_ms for name, timing in timings.items()},
             "fused_speedup": ratio.as_dict()}
