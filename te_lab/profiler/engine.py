@@ -100,7 +100,7 @@ class _Mode:
     context: Callable[[], ContextManager]
     leaves: list
     labels: Callable[[], dict]  # key -> module to label, resolved inside the context
-    backward: Callable[[torch.Tensor, list], None] = _gradients
+    backpropagate: Callable[[torch.Tensor, list], None] = _gradients
 
 
 def _floating_leaves(inputs) -> tuple[Any, list]:
@@ -164,9 +164,9 @@ def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
                                    "still hold the Parameters from before sharding; profile a (baseline, "
                                    "candidate) pair of callables instead")
         labels = _model_labels(model)
-        backward = _backward_through_reducer if distributed.is_data_parallel(target) else _gradients
-        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels, backward),
-                 _Mode("fused", run, contextlib.nullcontext, leaves, labels, backward)]
+        backpropagate = _backward_through_reducer if distributed.is_data_parallel(target) else _gradients
+        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels, backpropagate),
+                 _Mode("fused", run, contextlib.nullcontext, leaves, labels, backpropagate)]
         description = type(model).__name__ if model is target else f"{type(target).__name__}({type(model).__name__})"
         return modes, description, _key_info(model)
     if isinstance(target, tuple) and len(target) == 2 and all(callable(t) for t in target):
@@ -205,7 +205,7 @@ def _timed_step(mode: _Mode, backward: bool, device: torch.device) -> tuple[floa
     backward_ms = 0.0
     if backward:
         with devices.Timer(device) as backward_timer:
-            mode.backward(_loss(output), mode.leaves)
+            mode.backpropagate(_loss(output), mode.leaves)
         backward_ms = backward_timer.elapsed_ms
     cpu_seconds = time.process_time() - cpu_start
     return forward_timer.elapsed_ms + backward_ms, forward_timer.elapsed_ms, backward_ms, cpu_seconds
@@ -282,10 +282,10 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
         return stack
 
     leaves = [p for model in models.values() for p in model.parameters() if p.requires_grad]
-    backward = (_backward_through_reducer if any(distributed.is_data_parallel(m) for m in models.values())
-                else _gradients)
-    modes = [_Mode("eager", run, all_unfused, leaves, labels, backward),
-             _Mode("fused", run, contextlib.nullcontext, leaves, labels, backward)]
+    backpropagate = (_backward_through_reducer if any(distributed.is_data_parallel(m) for m in models.values())
+                     else _gradients)
+    modes = [_Mode("eager", run, all_unfused, leaves, labels, backpropagate),
+             _Mode("fused", run, contextlib.nullcontext, leaves, labels, backpropagate)]
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
