@@ -17,7 +17,7 @@ from te_lab.kernels.attention import ATTENTION
 from te_lab.kernels.registry import select_backend
 from te_lab.modules import FusedAttention, FusedQKVAttention, FusedRMSNorm
 
-from conftest import DEVICE, TOLERANCES, assert_close
+from conftest import DEVICE, assert_close
 
 
 class Checkpointed(nn.Module):
