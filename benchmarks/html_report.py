@@ -41,7 +41,7 @@ def speedup_figure(results: dict):
                            error_y=dict(type="data", symmetric=False, array=high, arrayminus=low))
     figure.add_hline(y=1.0, line_dash="dot")
     figure.update_layout(title="te_lab (automatic backend): speedup per op, 95% interval", barmode="group",
-                         yaxis_title="speedup (above 1: te_lab faster)", height=520)
+                         yaxis_title="speedup (above 1: te_lab faster)", yaxis_type="log", height=520)
     return figure
 
 
