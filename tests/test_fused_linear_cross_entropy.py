@@ -209,13 +209,29 @@ def test_torch_compile_fullgraph(backend, reduction):
 
 
 def test_profiler_sees_the_fused_op_and_its_backward():
+    """A backward that frees the graph scales the stored gradients in place; one that keeps
+    it (retain_graph) leaves them as they were, so a second backward gives the same."""
     backend = fused_backends(FUSED_LINEAR_CROSS_ENTROPY)[0]
     hidden, weight, bias, labels = (leaf(t) if t.is_floating_point() else t
                                     for t in _inputs((8,), 16, 64, torch.float32, True))
     with torch.profiler.profile() as prof:
-        fused_linear_cross_entropy(hidden, weight, labels, bias, backend=backend).backward()
+        loss = fused_linear_cross_entropy(hidden, weight, labels, bias, backend=backend)
+        kept = torch.autograd.grad(loss, [hidden, weight, bias], retain_graph=True)
     names = {event.name for event in prof.events()}
     assert {"te_lab::fused_linear_cross_entropy", "te_lab::fused_linear_cross_entropy_backward"} <= names
+    assert "te_lab::fused_linear_cross_entropy_scale_" not in names
+    with torch.profiler.profile() as prof:
+        freed = torch.autograd.grad(loss * 3, [hidden, weight, bias])
+    names = {event.name for event in prof.events()}
+    assert "te_lab::fused_linear_cross_entropy_scale_" in names
+    assert "te_lab::fused_linear_cross_entropy_backward" not in names
+    for got, want in zip(freed, kept):
+        assert_close(got, 3 * want)
+
+
+def test_in_place_scaling_op_passes_opcheck():
+    stored = [torch.randn(4, 3), torch.randn(5, 3), None]
+    torch.library.opcheck(torch.ops.te_lab.fused_linear_cross_entropy_scale_, (torch.tensor(0.5), *stored))
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
