@@ -70,7 +70,8 @@ def timed_call(contender: Contender, device: torch.device) -> tuple[float, objec
     return timer.elapsed_ms, output
 
 
-def _first_error(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """One line: the exception's type, the first line of its message, where it was raised."""
     last = traceback.extract_tb(error.__traceback__)[-1:] or [None]
     where = f" (at {last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last[0] else ""
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}{where}"
@@ -92,7 +93,7 @@ def interleaved(contenders: list[Contender], device: torch.device, *, rounds: in
         try:
             elapsed, output = timed_call(contender, device)
         except Exception as error:  # a contender that cannot run is a result, not a crash
-            timings[contender.name] = Timing(contender.name, None, error=_first_error(error))
+            timings[contender.name] = Timing(contender.name, None, error=describe_error(error))
             progress(f"{contender.name} failed: {timings[contender.name].error}")
             continue
         timings[contender.name] = Timing(contender.name, elapsed)

@@ -122,6 +122,8 @@ def markdown(results: dict, *, title: str = "te_lab benchmark results") -> str:
                 "faster) with a 95% bootstrap interval over paired rounds. GB/s is the bytes the op must move "
                 "(benchmarks/cases.py) over the median time.", "",
                 "## Targets (issue 9)", "", *targets_table(results), ""]
+    if results["failures"]:
+        sections += ["## Failures", "", *(f"- {f['where']}: {f['error']}" for f in results["failures"]), ""]
     if results["models"]:
         sections += ["## End to end", "", *models_table(results), ""]
     if results["ops"]:

@@ -14,6 +14,8 @@ A results file holds:
   call) and ``speedups``;
 - ``models``: one item per model and mode (``train``, ``inference``), contenders with
   ``tokens_per_s``, ``setup_s`` (fuse time), ``time_to_first_step_s``, and ``speedups``;
+- ``failures``: an op case or model that raised mid-run (``where``, ``error``); the run
+  goes on without it;
 - ``targets``: issue 9's targets, each ``met`` true, false, or null when not measured.
 
 A speedup is ``median(over) / median(contender)`` (above 1: the contender is faster)
@@ -113,11 +115,16 @@ TARGET = {
     "additionalProperties": False,
 }
 
+FAILURE = {
+    "type": "object", "required": ["where", "error"],
+    "properties": {"where": {"type": "string"}, "error": {"type": "string"}}, "additionalProperties": False,
+}
+
 RESULTS_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "te_lab benchmark results",
     "type": "object",
-    "required": ["schema", "command", "config", "environment", "ops", "models", "targets"],
+    "required": ["schema", "command", "config", "environment", "ops", "models", "failures", "targets"],
     "properties": {
         "schema": {"const": SCHEMA_ID},
         "command": {"type": "string"},
@@ -131,6 +138,7 @@ RESULTS_SCHEMA = {
         },
         "ops": {"type": "array", "items": OP_RESULT},
         "models": {"type": "array", "items": MODEL_RESULT},
+        "failures": {"type": "array", "items": FAILURE},
         "targets": {"type": "array", "items": TARGET},
     },
     "additionalProperties": False,

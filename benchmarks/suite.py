@@ -38,6 +38,7 @@ from te_lab.kernels import registered_ops
 
 from . import end_to_end, environment, per_op
 from .cases import OP_CASES, OPTIMIZER_OPS, Size
+from .harness import describe_error
 from .html_report import write_html
 from .report import markdown
 from .schema import SCHEMA_ID
@@ -230,17 +231,27 @@ def collect(profile: Profile, device: torch.device, progress) -> dict:
                           "batch": profile.batch, "seq": profile.seq, "model_rounds": profile.model_rounds,
                           "model_warmup": profile.model_warmup,
                           "sizes": {op: [[s.tokens, s.hidden] for s in sizes] for op, sizes in profile.sizes.items()}},
-               "environment": env, "ops": [], "models": []}
+               "environment": env, "ops": [], "models": [], "failures": []}
+
+    def attempt(where: str, measure) -> list[dict]:
+        # One op or model that breaks mid-run is a result of its own, not the end of a long run.
+        try:
+            return measure()
+        except Exception as error:
+            results["failures"].append({"where": where, "error": describe_error(error)})
+            progress(f"{where} failed: {results['failures'][-1]['error']}")
+            return []
+
     for dtype in _dtypes(profile, device):
         for op in _ops(profile):
             for size in profile.sizes_for(op):
-                results["ops"] += per_op.run_op(op, size, dtype, profile.modes, device,
-                                                ceilings=environment.ceilings(env, dtype), rounds=profile.rounds,
-                                                warmup=profile.warmup, progress=progress)
+                results["ops"] += attempt(f"{op} {size} {str(dtype).removeprefix('torch.')}", lambda: per_op.run_op(
+                    op, size, dtype, profile.modes, device, ceilings=environment.ceilings(env, dtype),
+                    rounds=profile.rounds, warmup=profile.warmup, progress=progress))
     for model in profile.models:
-        results["models"] += end_to_end.run_model(model, device, batch=profile.batch, seq=profile.seq,
-                                                  rounds=profile.model_rounds, warmup=profile.model_warmup,
-                                                  modes=profile.model_modes, progress=progress)
+        results["models"] += attempt(model, lambda: end_to_end.run_model(
+            model, device, batch=profile.batch, seq=profile.seq, rounds=profile.model_rounds,
+            warmup=profile.model_warmup, modes=profile.model_modes, progress=progress))
     results["targets"] = evaluate(results)
     return results
 

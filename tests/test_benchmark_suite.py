@@ -198,3 +198,16 @@ def test_autocast_training_check_trains_fused_and_unfused_side_by_side():
     assert result["max_loss_difference"] == max(abs(f - u) for f, u in zip(fused, unfused))
     medians = result["median_step_ms"]
     assert result["fused_speedup"]["value"] == pytest.approx(medians["unfused"] / medians["fused"], rel=1e-12)
+
+
+def test_a_case_that_breaks_is_recorded_and_the_run_goes_on(tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    path = tmp_path / "results.json"
+    # hidden 100 has no whole 128-wide heads: rope's case refuses it, attention's too
+    assert suite.main(["--profile", "smoke", "--ops", "rope,attention", "--models", "none", "--sizes", "32x100",
+                       "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert results["ops"] == [] and results["models"] == []
+    assert [f["where"] for f in results["failures"]] == ["attention T=32 H=100 float32", "rope T=32 H=100 float32"]
+    assert results["failures"][0]["error"].startswith("ValueError: op cases: hidden 100 must be a multiple of 128")
