@@ -559,4 +559,10 @@ class FusedAdamW(torch.optim.Optimizer):
                     work_by_device.setdefault(device, []).append((hyper, tensors))
             for device, work in work_by_device.items():
                 _STEPPERS[select_backend(ADAMW, device, self.backend)].step(work)
+                # ATen's fused kernels and the Triton kernel write through data pointers,
+                # which autograd does not see: without the bump, a graph kept from before
+                # the step (retain_graph=True) would silently read the updated weights.
+                for _, tensors in work:
+                    for param in tensors.params:
+                        torch.autograd.graph.increment_version(param)
         return loss

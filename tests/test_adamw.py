@@ -244,6 +244,20 @@ def test_strided_and_complex_params(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_graph_kept_across_the_step_refuses_to_read_the_updated_weights(backend):
+    # Like torch's optimizers: the step is an in-place change autograd must know of,
+    # even where a kernel writes through data pointers.
+    weight = nn.Parameter(torch.randn(8, 8, device=DEVICE))
+    loss = (weight @ weight).sum()
+    loss.backward(retain_graph=True)
+    version = weight._version
+    FusedAdamW([weight], lr=1e-2, backend=backend).step()
+    assert weight._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_lr_is_read_as_a_float(backend):
     initial, gradients = _initial_params(torch.float32), _gradients(torch.float32, steps=3)
     params, optimizer = _build(lambda p, **o: FusedAdamW(p, lr=torch.tensor(1e-2), backend=backend),

@@ -126,8 +126,8 @@ def _refuse_retained_graph() -> None:
     if keeps_graph is not None and keeps_graph():
         raise RuntimeError(
             f"{NAME}: backward(retain_graph=True) (or create_graph=True) keeps the graph for another backward, "
-            f"which would read the weights this one updates in place (torch._fused_adamw_, FusedAdamW's CPU "
-            f"default, bumps no autograd version counter, so autograd would not notice). Expected a backward "
+            f"which would read the weights this one updates in place (autograd would refuse it, after this "
+            f"backward had already updated every parameter). Expected a backward "
             f"that frees its graph; for several backward passes through one graph, remove() the hooks and call "
             f"optimizer.step() after the last")
 
