@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from te_lab.profiler.attribution import HostOp, LaunchIndex
 from te_lab.profiler.device_kernels import (achieved_occupancy, busy_ns, device_kernels, idle_split_ns,
                                             sm_efficiency)
 
@@ -83,3 +84,16 @@ def test_overlapping_kernels_count_once_and_missing_fields_give_none():
     assert achieved_occupancy(kernels) is None
     assert idle_split_ns(kernels, 0, 200) is None
     assert device_kernels([Activity("kernel", "c", 0, 10, 3, "not json")])[0].blocks is None
+
+
+def test_kernels_take_the_path_and_phase_of_the_op_that_launched_them():
+    # A backward op on the autograd thread starts inside a long forward op's interval:
+    # its launches belong to it, the latest-starting op holding the launch time.
+    ops = [HostOp(0, 100, "layers.0.mlp", "forward"), HostOp(120, 400, "layers.0", "forward"),
+           HostOp(150, 200, "layers.1.attn", "backward")]
+    index = LaunchIndex(list(reversed(ops)))
+    first, second = device_kernels(TRACE)
+    assert index.launcher(first.launched_ns) == ops[0]
+    assert index.launcher(second.launched_ns) == ops[2]
+    assert index.launcher(300) == ops[1]
+    assert index.launcher(110) is None and index.launcher(None) is None

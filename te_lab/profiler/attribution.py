@@ -22,6 +22,7 @@ bytes moved and FLOPs, and the timeline.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -129,6 +130,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     if not top_level:
         return trace
     start = min(e.time_range.start for e in top_level)
+    host_ops: list[HostOp] = []  # on GPUs: the window each top-level op launched kernels in
     for event in top_level:
         key, phase = key_and_phase(event)
         launches = _kernels_under(event) if on_gpu else 1
@@ -136,8 +138,10 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         duration_us = event.device_time_total if on_gpu else event.time_range.elapsed_us()
         trace.launches += launches
         trace.op_us += duration_us
+        recorded = kineto.get(event.id)
+        if on_gpu and recorded is not None:
+            host_ops.append(HostOp(recorded.start_ns(), recorded.end_ns(), key or "", phase))
         if not on_gpu:
-            recorded = kineto.get(event.id)
             shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
                                                 f"thread {event.thread}", key or "", phase, shapes))
@@ -161,11 +165,44 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     if on_gpu:
         trace.kernels = device_kernels(profiler.profiler.kineto_results.trace_activities())
         first = min((k.start_ns for k in trace.kernels), default=0)
-        trace.timeline = [TimelineEvent(mode, k.name, (k.start_ns - first) / 1e3, k.duration_ns / 1e3,
-                                        f"stream {k.stream}", "", "") for k in trace.kernels]
+        trace.timeline, launches_from = [], LaunchIndex(host_ops)
+        for kernel in trace.kernels:
+            launcher = launches_from.launcher(kernel.launched_ns)
+            trace.timeline.append(TimelineEvent(
+                mode, kernel.name, (kernel.start_ns - first) / 1e3, kernel.duration_ns / 1e3,
+                f"stream {kernel.stream}", launcher.path if launcher else "", launcher.phase if launcher else ""))
     communication, trace.collectives = communication_ns(events, trace.kernels)
     trace.communication_us = communication / 1e3
     return trace
+
+
+@dataclass(frozen=True)
+class HostOp:
+    """A top-level op's host-side interval (kineto's clock, ns) and what it was part of."""
+
+    start_ns: int
+    end_ns: int
+    path: str
+    phase: str
+
+
+class LaunchIndex:
+    """Finds the top-level op a kernel's launch came from: the latest-starting one whose
+    host interval holds the launch time."""
+
+    def __init__(self, host_ops: list[HostOp]):
+        self._ops = sorted(host_ops, key=lambda op: op.start_ns)
+        self._starts = [op.start_ns for op in self._ops]
+
+    def launcher(self, launched_ns: Optional[int]) -> Optional[HostOp]:
+        """None for a kernel launched outside every op, or with no recorded launch."""
+        if launched_ns is None:
+            return None
+        # Ops on other threads may start inside a longer op and end before the launch.
+        for index in range(bisect.bisect_right(self._starts, launched_ns) - 1, -1, -1):
+            if launched_ns <= self._ops[index].end_ns:
+                return self._ops[index]
+        return None
 
 
 def _optimizer_target(event) -> Optional[str]:
