@@ -59,7 +59,7 @@ def check_reading_the_dashboard(text: str) -> None:
 
 def check_training(text: str) -> None:
     assert "te_lab.fuse: 10 of 10 candidate modules fused in LlamaLM" in text
-    assert number_after("float32: largest loss difference over 12 steps:", text) <= 1e-4
+    assert number_after("float32: largest loss difference over 8 steps:", text) <= 1e-4
     if "does not support bfloat16" not in text:
         assert number_after("largest relative loss difference", text) <= 1.6e-2  # bfloat16's rtol
     assert "after 4 steps, overlapped parameters equal the plain step's: True; losses equal: True" in text
