@@ -43,8 +43,11 @@ NAME = "fused_linear_cross_entropy"
 
 # The default chunk holds about this many bytes of logits: large enough that the three
 # matmuls per chunk stay efficient, small enough to be a minor share of a training step's
-# memory (the [tokens, vocab] logits of an LLM batch take gigabytes).
-CHUNK_LOGITS_BYTES = 128 * 2**20
+# memory (the [tokens, vocab] logits of an LLM batch take gigabytes). Measured on the
+# 2-core CPU (fp32, vocab 32000, fwd+bwd, 1 thread), 32 MB chunks against 128 MB ones:
+# peak memory 30% instead of 68% of the unfused path's at 2048 x 1024, 34% instead of 75%
+# at 1024 x 256, and 3-13% faster: each chunk's new buffers cost page faults.
+CHUNK_LOGITS_BYTES = 32 * 2**20
 
 
 def fused_linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tensor,
@@ -73,7 +76,8 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     precision (float32 for half-precision weights), for the caller to round once.
 
     The products run where te_lab's ``linear`` would run them (oneDNN on CPUs where it
-    beats the BLAS); the first chunk writes the weight gradient, so it needs no zeros."""
+    beats the BLAS); the first chunk writes the weight gradient, so it needs no zeros, and
+    later chunks add to it in place."""
     chunk_cross_entropy = CHUNK_IMPLEMENTATIONS[backend]
     onednn = runs_on_onednn(hidden)
 
@@ -94,6 +98,7 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
         logits = product(chunk, weight, bias)
         losses[start:stop], dlogits = chunk_cross_entropy.forward(
             logits, labels[start:stop], ignore_index, label_smoothing, z_loss, compute_grad, True)
+        del logits  # freed before the products allocate theirs (unless dlogits was written over it)
         if not compute_grad:
             continue
         if token_weights is not None:
@@ -104,11 +109,12 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
             torch.mm(dlogits, weight, out=grad_hidden[start:stop])
         if need_weight and grad_weight is None:
             grad_weight = product(dlogits.t(), chunk.t()).to(acc)
-        elif need_weight and (onednn or grad_weight.dtype != dlogits.dtype):
-            # half-precision products accumulate in float32 across chunks
-            grad_weight.add_(product(dlogits.t(), chunk.t()))
-        elif need_weight:
+        elif need_weight and grad_weight.dtype == dlogits.dtype:
+            # In place: a oneDNN product would be a new [vocab, in] tensor per chunk, which
+            # costs more memory (and page faults) than its faster GEMM saves.
             grad_weight.addmm_(dlogits.t(), chunk)
+        elif need_weight:  # half-precision products, float32 accumulation across chunks
+            grad_weight.add_(torch.mm(dlogits.t(), chunk))
         if need_bias:
             grad_bias.add_(dlogits.sum(0, dtype=acc))
     if need_weight and grad_weight is None:  # no tokens

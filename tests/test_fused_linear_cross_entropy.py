@@ -79,9 +79,9 @@ def test_strong_smoothing_z_loss_and_custom_ignore_index(backend, reduction):
 
 
 def test_default_chunk_size_fits_the_budget_and_the_tokens():
-    assert default_chunk_size(8192, 32000, 4) == 1024  # 128 MB of float32 logits
-    assert default_chunk_size(8192, 32000, 2) == 2048
-    assert default_chunk_size(300, 32000, 4) == 300
+    assert default_chunk_size(8192, 32000, 4) == 256  # 32 MB of float32 logits
+    assert default_chunk_size(8192, 32000, 2) == 512
+    assert default_chunk_size(200, 32000, 4) == 200
     assert default_chunk_size(5, 10**9, 4) == 1  # a row beyond the budget still makes a chunk
     for tokens, vocab, size in ((8192, 32000, 4), (100000, 151936, 2), (7, 50, 4)):
         chunk = default_chunk_size(tokens, vocab, size)
