@@ -15,7 +15,7 @@ A contender and its compiled twin share one model and one optimizer (the weights
 training as the rounds go, alike for all). The training step is ``loss =
 model(**batch).loss; loss.backward(); optimizer.step()``, then, untimed,
 ``optimizer.zero_grad(set_to_none=True)``. Inference is ``model(input_ids=...).logits``
-under ``torch.no_grad()`` in eval mode. Inference runs first, on the freshly built
+under ``torch.no_grad()`` in eval mode (``use_cache=False`` for Hugging Face models). Inference runs first, on the freshly built
 weights, so the eager and fused logits can be compared; the training step's first loss
 is compared the same way (both models are at their first step then).
 
@@ -66,7 +66,12 @@ def _train_contender(name: str, model: Callable, module: torch.nn.Module, optimi
 
 
 def _inference_contender(name: str, model: Callable, module: torch.nn.Module, batch: dict) -> Contender:
-    input_ids = batch["input_ids"]
+    # One forward over the whole sequence, as scoring runs it: a Hugging Face model would
+    # otherwise fill a KV cache, whose per-layer state torch.compile guards on (a recompile
+    # per layer, past its recompile limit).
+    inputs = {"input_ids": batch["input_ids"]}
+    if hasattr(module.config, "use_cache"):
+        inputs["use_cache"] = False
 
     @contextlib.contextmanager
     def inference():
@@ -74,7 +79,7 @@ def _inference_contender(name: str, model: Callable, module: torch.nn.Module, ba
         with torch.no_grad():
             yield
 
-    return Contender(name, lambda: model(input_ids=input_ids).logits, context=inference)
+    return Contender(name, lambda: model(**inputs).logits, context=inference)
 
 
 def _counts_line(report) -> str:

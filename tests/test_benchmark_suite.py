@@ -159,14 +159,22 @@ def test_smallest_configuration_end_to_end(tmp_path):
     assert "plotly" in page and "<script src=\"http" not in page  # plotly.js inlined: opens offline
 
 
-def test_inference_contender_runs_the_forward_without_autograd_in_eval_mode():
-    model = build_model("llama-tiny")
+@pytest.mark.parametrize("name", ["llama-tiny", "hf:llama-tiny"])
+def test_inference_contender_runs_the_forward_without_autograd_in_eval_mode(name):
+    # Hugging Face models run without a KV cache: one forward over the sequence
+    expected_kwargs = {"use_cache": False} if name.startswith("hf:") else {}
+    if expected_kwargs:
+        pytest.importorskip("transformers")
+    model = build_model(name)
     batch = example_batch(model, 1, 8)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     contender = end_to_end._inference_contender("eager", model, model, batch)
     _, logits = harness.timed_call(contender, torch.device("cpu"))
     assert not model.training and not logits.requires_grad
+    assert seen == [{"input_ids": batch["input_ids"], **expected_kwargs}]
     with torch.no_grad():
-        torch.testing.assert_close(logits, model(input_ids=batch["input_ids"]).logits)
+        torch.testing.assert_close(logits, model(input_ids=batch["input_ids"], **expected_kwargs).logits)
 
 
 def test_gpu_check_says_clearly_that_it_needs_a_gpu(capsys):
