@@ -31,7 +31,8 @@ from .checks import check_tensor
 from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
 
 NAME = "linear"
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What oneDNN's inner product takes on every x86 CPU (float16 needs AVX512-FP16 or AMX).
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _EMPTY = (0,)
 
 
@@ -173,17 +174,18 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
     """The registry's choice, except that an automatic ``native`` is kept only for the
     dtype it was measured to speed up (float32); a forced ``native`` refuses only what
-    oneDNN cannot run."""
+    oneDNN cannot run. The dtype is the one the GEMMs run in: under autocast, the region's."""
     chosen = select_backend(LINEAR, x.device, requested)
     if chosen != "native":
         return chosen
+    dtype = LIKE_LINEAR.cast_dtype(x.device.type) or x.dtype
     forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(LINEAR)
     if forced == "native":
-        if x.dtype not in _ONEDNN_DTYPES:
-            raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run x of dtype {x.dtype}: "
-                             f"oneDNN takes float32, bfloat16 or float16")
+        if dtype not in _ONEDNN_DTYPES:
+            raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run its GEMMs in {dtype}: "
+                             f"oneDNN takes float32 or bfloat16")
         return chosen
-    return chosen if x.dtype == torch.float32 else "reference"
+    return chosen if dtype == torch.float32 else "reference"
 
 
 def runs_on_onednn(x: Tensor) -> bool:

@@ -73,12 +73,29 @@ def test_automatic_choice_keeps_other_dtypes_on_f_linear_and_forced_native_refus
         out = linear(x, weight)
     assert "te_lab::linear" not in {event.name for event in trace.events()}  # float64 is F.linear's
     assert_close(out, F.linear(x, weight))
-    with pytest.raises(ValueError, match=r"linear: backend 'native' \(from backend=\) cannot run x of dtype "
-                                         r"torch.float64: oneDNN takes float32"):
+    with pytest.raises(ValueError, match=r"linear: backend 'native' \(from backend=\) cannot run its GEMMs in "
+                                         r"torch.float64: oneDNN takes float32 or bfloat16"):
         linear(x, weight, backend="native")
     with use_backend(linear="native"):
         half = linear(x.bfloat16(), weight.bfloat16())
     assert_close(half, F.linear(x, weight).bfloat16(), torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_under_autocast_the_gemms_run_in_the_regions_dtype_as_f_linear_does(dtype):
+    x, weight, bias = (leaf(t) for t in _inputs((6,), 32, 16, True))
+    with torch.autocast("cpu", dtype=dtype):
+        out = linear(x, weight, bias)
+        want = F.linear(x, weight, bias)
+    assert out.dtype == want.dtype == dtype
+    assert_close(out, want, dtype)
+    for got, expected in zip(grads_of((out,), [x, weight, bias]), grads_of((want,), [x, weight, bias])):
+        assert got.dtype == expected.dtype == torch.float32
+        assert_close(got, expected, dtype)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="cannot run its GEMMs in "
+                                                                                      "torch.float16"):
+        linear(x, weight, backend="native")
 
 
 @pytest.mark.parametrize("call, error, message", [
