@@ -34,6 +34,9 @@ def _progress_bar(description: str):
             bar = tqdm(total=total, desc=description, leave=False)
         bar.update(done - bar.n)
         if done >= total:
+            # tqdm redraws at most every 0.1 s: without a refresh a fast last step
+            # would never show as complete.
+            bar.refresh()
             bar.close()
     return progress
 
