@@ -4,7 +4,6 @@ of what ran, and the bandwidth and compute ceilings the figures are read against
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 import sys
@@ -12,15 +11,9 @@ import sys
 import torch
 
 from te_lab import device as devices
+from te_lab.status import package_versions
 
 PACKAGES = ("te_lab", "torch", "triton", "transformers", "liger_kernel", "numpy")
-
-
-def _version(package: str):
-    try:
-        return importlib.metadata.version(package.replace("_", "-"))
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def describe(device: torch.device) -> dict:
@@ -36,7 +29,7 @@ def describe(device: torch.device) -> dict:
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "versions": {package: _version(package) for package in PACKAGES},
+        "versions": package_versions(PACKAGES),
         "copy_bandwidth_gbs": devices.measure_copy_bandwidth(device),
         "peak": {"name": peak.name, "memory_bandwidth_gbs": peak.memory_bandwidth_gbs,
                  "fp32_tflops": peak.fp32_tflops, "bf16_tflops": peak.bf16_tflops, "source": peak.source},

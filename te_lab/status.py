@@ -15,10 +15,10 @@ from te_lab.kernels import available_backends, registered_ops, select_backend
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
 
 
-def package_versions() -> dict[str, str | None]:
-    """Installed version of each package in ``VERSIONED`` (``None``: not installed)."""
+def package_versions(packages: tuple[str, ...] = VERSIONED) -> dict[str, str | None]:
+    """Installed version of each of ``packages`` (``None``: not installed)."""
     versions = {}
-    for package in VERSIONED:
+    for package in packages:
         try:
             versions[package] = importlib.metadata.version(package.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
