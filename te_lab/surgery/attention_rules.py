@@ -17,12 +17,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from te_lab.inputs import call_with
 from te_lab.modules.attention import FusedAttention, FusedQKVAttention
 from te_lab.modules.linear_like import in_out_features, is_linear_like
 
 from .inspection import float_attribute, head_count, random_tensor, rotary_tables, takes_argument
 from .norm_rules import PROBE_SHAPE
-from .probe import call_with, quiet_state
+from .probe import quiet_state
 from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
 
 PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"))

@@ -25,14 +25,16 @@ import torch
 from torch import nn
 
 from te_lab import distributed
-from te_lab.kernels.registry import BACKENDS
+from te_lab.inputs import as_call_inputs, call_with, output_tensors
 from te_lab.modules.base import FusedModule
 from te_lab.modules.lm_head_loss import FusedLMHeadLoss
+from te_lab.options import check_backend
 
+from . import hooks
 from . import report as reports
 from .inspection import tensor_like
-from .probe import (Difference, ProbeResult, call_with, capture_inputs, compare, trainable_parameters,
-                    output_tensors, probe, quiet_state, sample_as_inputs)
+from .probe import (Difference, ProbeResult, capture_inputs, compare, inconclusive_reason, probe, quiet_state,
+                    trainable_parameters)
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .timing import median_times_ms
 
@@ -53,6 +55,7 @@ class Swap:
     def install(self) -> None:
         if self.sites:
             self.twin.adopt_original()
+            hooks.share_hooks(self.original, self.twin)
             for parent, name in self.sites:
                 parent._modules[name] = self.twin
         else:
@@ -65,6 +68,8 @@ class Swap:
 
     def remove(self) -> None:
         restored = self.twin.restore_original()
+        if self.sites:
+            hooks.release_hooks(restored, self.twin)
         for parent, name in self.sites:
             if parent._modules.get(name) is self.twin:
                 parent._modules[name] = restored
@@ -238,8 +243,10 @@ class _Fuser:
         self.captured, self.device = captured, device
         self.swaps: list[Swap] = []
         self.replaced: list[str] = []  # paths whose module a twin replaced (or would replace, in a dry run)
+        self.current = ""  # the path being processed, for the message of an error or an interrupt
 
     def process(self, candidate: Candidate) -> reports.FusionRow:
+        self.current = candidate.path or reports.ROOT_LABEL
         reasons = []
         first_rule = candidate.results[0][0]
         row = None
@@ -275,22 +282,36 @@ class _Fuser:
             if not twin.kernel_names():
                 reasons.append("nothing of it is fused under the selected rules")
                 continue
+            unreachable = _hooks_the_twin_would_skip(candidate, twin, match)
+            if unreachable:
+                reasons.append(f"has hooks inside that its fused twin would never fire: {', '.join(unreachable)} "
+                               f"(the twin computes that module's math itself); remove them to fuse it")
+                return None
             original = twin.original_forward if match.replaces_forward else module
-            result = self._probe(module, original, twin, inputs, match) if self.verify else None
+            result, probed, fallback = None, inputs, ""
+            if self.verify:
+                result = self._probe(module, original, twin, inputs, match)
+                if result.inconclusive and source == "sample":
+                    fallback, probed = result.inconclusive, match.example_inputs()
+                    result = self._probe(module, original, twin, probed, match)
             if result is not None and not result.passed:
-                reasons.append(result.reason)
+                reasons.append(result.reason + (" (on synthesized inputs, after the sample's probe was "
+                                                f"inconclusive: {fallback})" if fallback else ""))
                 continue
             row = reports.FusionRow(
                 candidate.path, type(module).__name__, rule.name, rule.kind, reports.FUSED,
                 fused_type=type(twin).__name__, variant=variant.note,
-                backends=twin.resolved_backends(self.device), kernels=twin.kernel_names(), probe=source)
+                backends=twin.resolved_backends(self.device), kernels=twin.kernel_names(),
+                probe="synthesized" if fallback else source)
+            if fallback:
+                row.reason = f"verified on synthesized inputs: the sample's probe was inconclusive ({fallback})"
             if result is not None:
                 row.output_max_abs, row.output_max_rel = result.output_max_abs, result.output_max_rel
                 row.grad_max_abs, row.grad_max_rel = result.grad_max_abs, result.grad_max_rel
             if self.auto:
-                with quiet_state(_modules_of(module, twin), self.device):
+                with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
-                        original, twin, inputs, trainable_parameters(module), match.constant_inputs,
+                        original, twin, probed, trainable_parameters(module), match.constant_inputs,
                         match.probe_outputs or output_tensors, self.device)
                 row.speedup = row.time_original_ms / row.time_fused_ms if row.time_fused_ms > 0 else None
                 if row.time_fused_ms >= row.time_original_ms:
@@ -300,7 +321,7 @@ class _Fuser:
                     return row
             if result is not None:
                 # Kept with the twin, so tools that meet it later (the profiler) can show it.
-                twin.verification = (f"probe ({source}): output max abs err {result.output_max_abs:.2g}, "
+                twin.verification = (f"probe ({row.probe}): output max abs err {result.output_max_abs:.2g}, "
                                      f"gradient max abs err {_or_dash(result.grad_max_abs)}")
             if not match.replaces_forward:
                 self.replaced.append(candidate.path)
@@ -316,12 +337,25 @@ class _Fuser:
 
     def _probe(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
-            with quiet_state(_modules_of(module, twin), self.device):
+            with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
                 return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
                              match.probe_outputs)
+        except torch.OutOfMemoryError:
+            raise  # the device's state, not the twin's verdict: fuse stops and undoes its swaps
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,
                                f"probe raised {type(error).__name__}: {error}")
+
+
+def _hooks_the_twin_would_skip(candidate: Candidate, twin: Any, match: Match) -> list[str]:
+    """Modules whose hooks the twin would not fire: those inside the replaced module
+    (the twin's hooks are the module's own, see :mod:`.hooks`), or for the LM head +
+    loss, which replaces the model's forward, the head it no longer calls."""
+    if match.replaces_forward:
+        head = candidate.module.get_submodule(twin.head_name)
+        return hooks.hooked_modules(head, ".".join(p for p in (candidate.path, twin.head_name) if p),
+                                    include_root=True)
+    return hooks.hooked_modules(candidate.module, candidate.path, include_root=False)
 
 
 def _or_dash(value: Optional[float]) -> str:
@@ -342,14 +376,6 @@ def _modules_of(module: nn.Module, twin: Any) -> list[nn.Module]:
     """What a probe must hold in eval mode: the module and, when it is one, its twin
     (which is not in the model yet, so the model's mode does not reach it)."""
     return [module, twin] if isinstance(twin, nn.Module) else [module]
-
-
-def _check_backend(backend) -> Optional[str]:
-    if backend is None or backend == "auto":
-        return None
-    if backend not in BACKENDS:
-        raise ValueError(f"te_lab.fuse: backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
-    return backend
 
 
 def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backend: str = "auto",
@@ -379,7 +405,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     model = distributed.unwrap(model)  # DDP's hooks sit on the Parameters, which the twins keep
     distributed.refuse_sharded(model, "te_lab.fuse", "probes would run its modules outside the hooks that gather "
                                "their shards; fuse the model before sharding it")
-    requested = _check_backend(backend)
+    requested = check_backend(backend, "te_lab.fuse")
     if auto and not verify:
         raise ValueError("te_lab.fuse: auto=True times verified swaps; it cannot be combined with verify=False")
     if verify and torch.is_inference_mode_enabled():
@@ -391,7 +417,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     already = _already_fused(model)
     candidates = _candidates(model, selection)
     captured, before = {}, None
-    sample_inputs = None if sample is None else sample_as_inputs(sample)
+    sample_inputs = None if sample is None else as_call_inputs(sample, "te_lab.fuse", "sample")
     if sample_inputs is not None:
         try:
             captured, before = capture_inputs(model, sample_inputs, {c.path: c.module for c in candidates}, device)
@@ -401,20 +427,40 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, dry_run, captured, device)
     rows = []
     show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
-    for candidate in _progress(candidates, show_progress, "te_lab.fuse: probing"):
-        if any(candidate.path.startswith(p + ".") for p in fuser.replaced):
-            continue  # inside a module already replaced by a twin that covers it
-        rows.append(fuser.process(candidate))
-    model.__dict__.setdefault(STATE_ATTRIBUTE, []).extend(fuser.swaps)
     report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
+    try:
+        for candidate in _progress(candidates, show_progress, "te_lab.fuse: probing"):
+            if any(candidate.path.startswith(p + ".") for p in fuser.replaced):
+                continue  # inside a module already replaced by a twin that covers it
+            rows.append(fuser.process(candidate))
+        if sample_inputs is not None and fuser.swaps:
+            fuser.current = "the whole model's check"
+            report.model_check = _model_check(model, sample_inputs, before, device)
+    except BaseException as error:
+        # An interrupt (the notebook's stop button), out of memory, a bug: never half fused.
+        for swap in reversed(fuser.swaps):
+            swap.remove()
+        _annotate(error, f"te_lab.fuse: stopped by {type(error).__name__} while processing {fuser.current}; "
+                         f"every swap it had made is undone, the model is as before")
+        raise
+    model.__dict__.setdefault(STATE_ATTRIBUTE, []).extend(fuser.swaps)
     if dry_run:
         report.notes.append("dry run: nothing was swapped")
-    if sample_inputs is not None and fuser.swaps:
-        report.model_check = _model_check(model, sample_inputs, before, device)
     if any(row.rule == "lm_head_loss" and row.status == reports.FUSED for row in rows):
         report.notes.append("lm_head_loss: called with labels, the model returns the loss and logits=None "
                             "(the full logits are never materialized); without labels it returns logits as before")
     return report
+
+
+def _annotate(error: BaseException, message: str) -> None:
+    """Add ``message`` to ``error``'s traceback (a note), and for an interrupt, which
+    prints only its arguments, to its text."""
+    if isinstance(error, KeyboardInterrupt) and not error.args:
+        error.args = (message,)
+    elif hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(message)
+    else:
+        error.args = (f"{message}: {error.args[0]}" if error.args else message, *error.args[1:])
 
 
 def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: torch.device) -> reports.ModelCheck:
@@ -432,12 +478,12 @@ def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: tor
     else:
         expected, actual = output_tensors(before), output_tensors(after)
         pairs = [(f"output {i}", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
-    for name, actual, expected in pairs:
-        if actual is None or expected is None:
-            continue
-        difference: Difference = compare(name, actual, expected, normwise=True)
-        check.compared.append(dict(name=name, max_abs=difference.max_abs, max_rel=difference.max_rel,
+    differences: list[Difference] = [compare(name, actual, expected, normwise=True)
+                                     for name, actual, expected in pairs if actual is not None and expected is not None]
+    for difference in differences:
+        check.compared.append(dict(name=difference.name, max_abs=difference.max_abs, max_rel=difference.max_rel,
                                    within_tolerance=difference.within_tolerance))
+    check.inconclusive = inconclusive_reason(differences)
     return check
 
 

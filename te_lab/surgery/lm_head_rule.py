@@ -16,11 +16,12 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from te_lab.inputs import call_with
 from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 from te_lab.modules.linear_like import in_out_features, is_linear_like
 
 from .inspection import takes_argument, tensor_like
-from .probe import call_with, quiet_state
+from .probe import quiet_state
 from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Variant, register_builtin_rule
 
 PROBE_TOKENS = (2, 16)

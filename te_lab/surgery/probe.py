@@ -17,9 +17,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from te_lab.inputs import ProbeInputs, call_with, output_tensors
 from te_lab.kernels.precision import TOLERANCES
-
-from .rules import ProbeInputs
 
 UPSTREAM_SEED = 0
 
@@ -43,25 +42,6 @@ def quiet_state(modules: Sequence[nn.Module], device: torch.device) -> Iterator[
             for buffer, saved in buffers:
                 if buffer.shape == saved.shape:
                     buffer.copy_(saved)
-
-
-def call_with(fn: Callable, inputs: ProbeInputs):
-    return fn(*inputs.args, **inputs.kwargs)
-
-
-def sample_as_inputs(sample: Any) -> ProbeInputs:
-    """``fuse(sample=...)``: a tensor, a tuple/list of positional arguments, or a dict of
-    keyword arguments."""
-    if isinstance(sample, torch.Tensor):
-        return ProbeInputs((sample,))
-    if isinstance(sample, (tuple, list)):
-        return ProbeInputs(tuple(sample))
-    if isinstance(sample, dict):
-        return ProbeInputs((), dict(sample))
-    raise TypeError(
-        f"te_lab.fuse: sample must be a tensor, a tuple of positional arguments or a dict of keyword "
-        f"arguments for the model's forward, got {type(sample).__name__}"
-    )
 
 
 def _detached(value: Any) -> Any:
@@ -103,30 +83,20 @@ def capture_inputs(model: nn.Module, sample: ProbeInputs, modules: dict[str, nn.
     return captured, output
 
 
-def output_tensors(output: Any) -> list[Tensor]:
-    """Every tensor in an output (tensors, tuples, lists, dicts, dataclass-like model
-    outputs), in order; ``None`` entries are dropped."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        return [t for v in output.values() for t in output_tensors(v)]
-    if isinstance(output, (tuple, list)):
-        return [t for v in output for t in output_tensors(v)]
-    if hasattr(output, "__dataclass_fields__"):
-        return [t for name in output.__dataclass_fields__ for t in output_tensors(getattr(output, name))]
-    return []
-
-
 @dataclass(frozen=True)
 class Difference:
     """How far one tensor is from its reference: max |a - b|, that over max |b|, and
-    whether it is within the dtype's tolerance; ``failure`` says why not."""
+    whether it is within the dtype's tolerance; ``failure`` says why not, and
+    ``inconclusive`` why the comparison proves nothing, where it does not."""
 
     name: str
     max_abs: float
     max_rel: float
     within_tolerance: bool
     failure: str = ""
+    # Why the values compared prove nothing: the original's hold NaN or infinity.
+    inconclusive: str = ""
+    elements: int = 0
 
 
 def _tolerance_dtype(expected: Tensor) -> torch.dtype:
@@ -163,6 +133,8 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
     if actual.numel() == 0:
         return Difference(name, 0.0, 0.0, True)
     a, b = actual.detach().double(), expected.detach().double()
+    # NaN == NaN would make a broken twin agree with a broken original.
+    inconclusive = "" if bool(torch.isfinite(b).all()) else f"the original's {name} holds NaN or infinity"
     tolerance_dtype = _tolerance_dtype(expected)
     tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
     both_nan = torch.isnan(a) & torch.isnan(b)
@@ -181,13 +153,13 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
         rule = f"the {dtype} tolerance allows {tolerance['atol']:g} + {tolerance['rtol']:g} x |value| per element"
     failure = "" if within else (
         f"{name} differs from the original's by up to {max_abs:.3g} ({max_rel:.3g} of its largest value); {rule}")
-    return Difference(name, max_abs, max_rel, within, failure)
+    return Difference(name, max_abs, max_rel, within, failure, inconclusive, actual.numel())
 
 
 @dataclass(frozen=True)
 class ProbeResult:
     """The verdict of one probe: worst output and gradient differences, and why it
-    failed when it did."""
+    failed or proved nothing when it did."""
 
     passed: bool
     output_max_abs: float
@@ -195,6 +167,8 @@ class ProbeResult:
     grad_max_abs: Optional[float]
     grad_max_rel: Optional[float]
     reason: str = ""
+    # Set when the probe compared nothing (see :func:`inconclusive_reason`); ``passed`` is then False.
+    inconclusive: str = ""
 
 
 def _argument_names(fn: Callable, inputs: ProbeInputs) -> list[str]:
@@ -275,10 +249,20 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
     failures = [d for d in outputs + grads if not d.within_tolerance]
     worst_out = max(outputs, key=lambda d: d.max_abs, default=Difference("output", 0.0, 0.0, True))
     worst_grad = max(grads, key=lambda d: d.max_abs, default=None)
-    reason = failures[0].failure if failures else ""
-    return ProbeResult(not failures, worst_out.max_abs, worst_out.max_rel,
+    vacuous = inconclusive_reason(outputs, grads)
+    reason = failures[0].failure if failures else (f"probe inconclusive: {vacuous}" if vacuous else "")
+    return ProbeResult(not failures and not vacuous, worst_out.max_abs, worst_out.max_rel,
                        None if worst_grad is None else worst_grad.max_abs,
-                       None if worst_grad is None else worst_grad.max_rel, reason)
+                       None if worst_grad is None else worst_grad.max_rel, reason, vacuous)
+
+
+def inconclusive_reason(outputs: list[Difference], others: Sequence[Difference] = ()) -> str:
+    """Why comparisons of these outputs (and gradients) prove nothing, or ``""``: no
+    output element was compared, or a value of the original is NaN or infinite (where a
+    broken twin could agree with a broken original)."""
+    if sum(d.elements for d in outputs) == 0:
+        return "the original's output has no elements" if outputs else "the original returned no tensor"
+    return next((d.inconclusive for d in [*outputs, *others] if d.inconclusive), "")
 
 
 def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

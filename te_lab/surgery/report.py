@@ -21,7 +21,9 @@ ROOT_LABEL = "(model)"
 class FusionRow:
     """One candidate. Errors are the worst max-abs / max-relative differences of the
     fused twin against the original on the probe (outputs; input and parameter
-    gradients); ``probe`` says where its inputs came from. ``speedup`` (original time
+    gradients); ``probe`` says where its inputs came from (``sample``, ``synthesized``;
+    a fused row verified on synthesized inputs because the sample's probe compared
+    nothing says why in ``reason``). ``speedup`` (original time
     / fused time, forward + backward, medians) is measured with ``fuse(auto=True)``."""
 
     path: str
@@ -57,10 +59,13 @@ class ModelCheck:
     loss_before: Optional[float] = None
     loss_after: Optional[float] = None
     note: str = ""
+    # Why the comparison proves nothing (no elements; NaN or infinity before fusing), if it does not.
+    inconclusive: str = ""
 
     @property
     def within_tolerance(self) -> bool:
-        return all(entry["within_tolerance"] for entry in self.compared)
+        """Every output within tolerance, on a comparison that proves something."""
+        return not self.inconclusive and all(entry["within_tolerance"] for entry in self.compared)
 
 
 @dataclass
@@ -162,6 +167,7 @@ def _model_check_line(check: ModelCheck) -> str:
     parts = [f"{entry['name']} max abs diff {entry['max_abs']:.2g}" for entry in check.compared]
     if check.loss_before is not None and check.loss_after is not None:
         parts.append(f"loss {check.loss_before:.6g} -> {check.loss_after:.6g}")
-    verdict = "within tolerance" if check.within_tolerance else "OUTSIDE tolerance"
+    verdict = (f"INCONCLUSIVE: {check.inconclusive}" if check.inconclusive
+               else "within tolerance" if check.within_tolerance else "OUTSIDE tolerance")
     text = "; ".join(parts) if parts else "nothing comparable"
     return f"whole model on the sample, before vs after: {text} ({verdict})" + (f"; {check.note}" if check.note else "")

@@ -13,23 +13,17 @@ ones, so a custom fusion wins over a built-in one for the same module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import Tensor, nn
+
+from te_lab.inputs import ProbeInputs  # noqa: F401  (re-exported: rules build them)
 
 KINDS = ("norm", "mlp", "attention", "rope", "loss", "other")
 # Inputs that never get a gradient check: fused twins treat them as constants, as the
 # models do (positions, masks).
 CONSTANT_INPUTS = frozenset({"position_embeddings", "attention_mask", "position_ids", "cache_position"})
-
-
-@dataclass(frozen=True)
-class ProbeInputs:
-    """Arguments to call a module with: captured from the user's sample or synthesized."""
-
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
