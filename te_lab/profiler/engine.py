@@ -27,6 +27,7 @@ import functools
 import importlib.metadata
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
@@ -36,10 +37,10 @@ from torch.profiler import record_function
 
 from te_lab import device as devices
 from te_lab import distributed
+from te_lab.inputs import ProbeInputs, as_call_inputs, output_tensors
 from te_lab.kernels import use_backend
+from te_lab.options import check_steps, check_warmup
 from te_lab.surgery import fusions, is_fused, unfused
-from te_lab.surgery.probe import output_tensors, sample_as_inputs
-from te_lab.surgery.rules import ProbeInputs
 
 from . import regions
 from .attribution import attribute
@@ -123,7 +124,7 @@ def _floating_leaves(inputs) -> tuple[Any, list]:
 
 def _caller(fn: Callable, inputs, region: Optional[str] = None) -> Callable[[], Any]:
     """``fn`` on ``inputs``; with ``region``, inside that labelled region."""
-    probe_inputs = sample_as_inputs(inputs) if inputs is not None else ProbeInputs()
+    probe_inputs = as_call_inputs(inputs, "te_lab.profile", "inputs") if inputs is not None else ProbeInputs()
     if region is None:
         return lambda: fn(*probe_inputs.args, **probe_inputs.kwargs)
 
@@ -239,8 +240,12 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     ``progress(done, total)`` is called after every step (for progress bars). The report
     can re-run itself with the same arguments: ``report.rerun(progress=...)``.
     """
-    _check_counts(steps, warmup)
+    _check_counts(steps, warmup, "te_lab.profile")
     modes, description, key_info = _modes(target, inputs)
+    if backward and not modes[0].leaves:
+        raise ValueError("te_lab.profile: backward=True, but there is nothing to differentiate: no parameter of the "
+                         "target requires grad and inputs hold no floating-point tensor; pass backward=False to "
+                         "profile the forward only")
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup, backward,
                       progress)
@@ -258,7 +263,7 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
     ``te_lab.unfused``, "fused" as they are. Module keys are the models' module paths,
     prefixed by the model's name when there are several. With ``backward``, the value
     ``run()`` returns is differentiated as in :func:`profile`."""
-    _check_counts(steps, warmup)
+    _check_counts(steps, warmup, "te_lab.profile_statement")
     if not models:
         raise ValueError("te_lab.profile_statement: models is empty; fuse a model first (te_lab.fuse)")
     for name, model in models.items():
@@ -282,31 +287,46 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
         return stack
 
     leaves = [p for model in models.values() for p in model.parameters() if p.requires_grad]
+    if backward and not leaves:
+        raise ValueError("te_lab.profile_statement: backward=True, but no parameter of the models requires grad, "
+                         "so there is nothing to differentiate; pass backward=False to profile the forward only")
     backpropagate = (_backward_through_reducer if any(distributed.is_data_parallel(m) for m in models.values())
                      else _gradients)
     modes = [_Mode("eager", run, all_unfused, leaves, labels, backpropagate),
              _Mode("fused", run, contextlib.nullcontext, leaves, labels, backpropagate)]
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
+    versions = [(p, p._version) for model in models.values() for p in model.parameters()]
     report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
                       backward, progress)
+    changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
+    if changed:
+        message = (f"te_lab.profile_statement: the statement changed {changed} of the models' parameters in place "
+                   f"while it ran {2 * runs_per_mode(steps, warmup)} times (an optimizer step inside it?), so the "
+                   f"eager and fused steps measured a moving model")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        report.notes.append(message)
     report.rerun = functools.partial(profile_statement, run, models, steps=steps, warmup=warmup, backward=backward,
                                      device=device)
     return report
 
 
-def _check_counts(steps, warmup) -> None:
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"te_lab.profile: steps must be a positive integer, got {steps!r}")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"te_lab.profile: warmup must be a non-negative integer, got {warmup!r}")
+def _check_counts(steps, warmup, caller: str) -> None:
+    check_steps(steps, caller)
+    check_warmup(warmup, caller)
+
+
+def runs_per_mode(steps: int, warmup: int) -> int:
+    """How many times a profile runs its target in each mode: the warm-up and timed
+    steps, one profiled step thrown away, then the profiled steps kept."""
+    return warmup + steps + 1 + min(steps, PROFILED_STEPS)
 
 
 def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps: int, warmup: int,
              backward: bool, progress) -> ProfileReport:
     report = ProfileReport(environment, formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
-    total = len(modes) * (warmup + steps + 1 + min(steps, PROFILED_STEPS))
+    total = len(modes) * runs_per_mode(steps, warmup)
     done = 0
 
     def advance() -> None:
