@@ -12,14 +12,14 @@ import argparse
 import ast
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from IPython.utils.process import arg_split
 from torch import nn
 
 import te_lab
-from te_lab.kernels.registry import BACKENDS
+from te_lab.options import BACKEND_CHOICES, argument_type, check_steps, check_warmup
 from te_lab.profiler import profile_statement
 from te_lab.status import status_lines
 
@@ -59,20 +59,22 @@ class TeLabMagics(Magics):
     @argument("model", help="the model, an expression in your namespace (nets['big'], self.net, ...)")
     @argument("--only", help="comma-separated rule names or module-path globs to fuse (see te_lab.rules())")
     @argument("--exclude", help="comma-separated rule names or module-path globs to leave alone")
-    @argument("--backend", default="auto", choices=("auto",) + BACKENDS, help="backend forced on every fused op")
+    @argument("--backend", default="auto", choices=BACKEND_CHOICES, help="backend forced on every fused op")
     @argument("--sample", help="inputs for the model, an expression: a tensor, a tuple, or a dict of kwargs")
     @argument("--no-verify", action="store_true", help="swap without probing each module (not recommended)")
     @argument("--auto", action="store_true", help="time each twin and keep only those faster on this device")
     @argument("--dry-run", action="store_true", help="probe the candidates but swap nothing")
-    @argument("-o", dest="output", metavar="VAR", help="store the FusionReport in this variable")
+    @argument("-o", dest="output", action="store_true",
+              help="return the FusionReport (report = %%te_fuse model -o), as %%timeit -o does")
     @argument("-q", dest="quiet", action="store_true", help="display nothing")
+    @no_var_expand
     @line_magic
     def te_fuse(self, line):
         """Swap MODEL's layers for fused kernels in place, each swap probe-verified.
 
         Example::
 
-            %te_fuse model --sample batch -o report
+            report = %te_fuse model --sample batch -o
             %te_fuse nets["big"] --exclude lm_head_loss,model.layers.0.* --auto
         """
         args = parse_argstring(self.te_fuse, line)
@@ -84,13 +86,13 @@ class TeLabMagics(Magics):
                                  dry_run=args.dry_run)
         except (TypeError, ValueError, RuntimeError) as error:
             raise UsageError(f"%te_fuse: {error}") from None
-        if args.output:
-            self.shell.user_ns[args.output] = report
         if not args.quiet:
             display(report)
+        return report if args.output else None
 
     @magic_arguments()
     @argument("model", help="the fused model, an expression in your namespace")
+    @no_var_expand
     @line_magic
     def te_unfuse(self, line):
         """Put MODEL's original modules back; says what it restored.
@@ -104,19 +106,24 @@ class TeLabMagics(Magics):
 
     @magic_arguments()
     @argument("--model", help="the fused model to switch (default: every fused model in the namespace)")
-    @argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
-    @argument("--warmup", type=int, default=2, help="untimed steps per mode first (default 2)")
+    @argument("--steps", type=argument_type(check_steps), default=5, help="timed steps per mode (default 5)")
+    @argument("--warmup", type=argument_type(check_warmup), default=2, help="untimed steps per mode first (default 2)")
     @argument("--no-backward", action="store_true", help="do not differentiate the statement's value")
     @argument("--html", metavar="PATH", help="also write the static report to PATH (.html)")
-    @argument("-o", dest="output", metavar="VAR", help="store the ProfileReport in this variable")
+    @argument("-o", dest="output", action="store_true",
+              help="return the ProfileReport (report = %%te_profile -o ...), as %%timeit -o does")
     @argument("statement", nargs=argparse.REMAINDER, help="the code to profile (the line form)")
+    @no_var_expand
     @line_cell_magic
     def te_profile(self, line, cell=None):
         """Run STATEMENT with fusion off and on, profile both, and show the dashboard.
 
         A statement that is an expression (``model(**batch)``) has its value's loss
         differentiated, as te_lab.profile does; other code runs as it is (put your own
-        ``.backward()`` in it). The cell form profiles the whole cell.
+        ``.backward()`` in it). The cell form profiles the whole cell. The code runs
+        many times (warm-up, timed and profiled steps, in both modes: 22 with the
+        defaults), and the magic prints how many; code that changes the parameters (an
+        optimizer step) gets a warning, as the figures then measure a moving model.
 
         Example::
 
@@ -129,9 +136,10 @@ class TeLabMagics(Magics):
         if cell is not None:
             if args.statement:
                 raise UsageError("%%te_profile: the code goes in the cell body, not on the magic's line")
-            self._profile(args, cell)
+            report = self._profile(args, cell, "cell")
         else:
-            self._profile(args, _statement_text(line, args.statement))
+            report = self._profile(args, _statement_text(line, args.statement), "statement")
+        return report if args.output else None
 
     def _fused_in_namespace(self) -> dict:
         return {name: value for name, value in self.shell.user_ns.items()
@@ -148,12 +156,13 @@ class TeLabMagics(Magics):
             raise UsageError("%te_profile: no fused model in the namespace; run %te_fuse MODEL first or pass --model")
         return found
 
-    def _profile(self, args, code: str) -> None:
+    def _profile(self, args, code: str, what: str):
         if not code.strip():
             raise UsageError("%te_profile: give the statement to profile")
         if args.html is not None and not args.html.lower().endswith((".html", ".htm")):
             raise UsageError(f"%te_profile: --html must name an .html file, got {args.html!r}")
         models = self._fused_models(args.model)
+        code = self.shell.transform_cell(code)  # IPython syntax (%magics, !commands) as in a cell
         try:
             tree = ast.parse(code, mode="eval")
             compiled, is_expression = compile(tree, "<te_profile>", "eval"), True
@@ -163,8 +172,11 @@ class TeLabMagics(Magics):
             except SyntaxError as error:
                 raise UsageError(f"%te_profile: the statement is not valid Python: {error}") from None
         namespace = self.shell.user_ns
+        runs = 0
 
         def run():
+            nonlocal runs
+            runs += 1
             if is_expression:
                 return eval(compiled, namespace)
             exec(compiled, namespace)
@@ -173,15 +185,13 @@ class TeLabMagics(Magics):
         try:
             report = profile_statement(run, models, steps=args.steps, warmup=args.warmup,
                                        backward=is_expression and not args.no_backward)
-        except ValueError as error:
-            if "steps must" in str(error) or "warmup must" in str(error):
-                raise UsageError(f"%te_profile: {error}") from None
-            raise
+        finally:
+            print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {args.steps} timed steps, "
+                  f"then profiled steps, in each of eager and fused mode)")
         if args.html:
             print(f"static report written to {report.to_html(args.html)}")
-        if args.output:
-            self.shell.user_ns[args.output] = report
         report.show()
+        return report
 
     @line_magic
     def te_status(self, line):

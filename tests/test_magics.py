@@ -6,6 +6,8 @@ import pytest
 
 IPython = pytest.importorskip("IPython")  # the Triton 3.2 test environment has no IPython
 
+import warnings  # noqa: E402
+
 import torch  # noqa: E402
 from IPython.core.error import UsageError  # noqa: E402
 from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
@@ -45,12 +47,11 @@ def test_load_unload_and_reload(shell):
     assert "te_fuse" in shell.magics_manager.magics["line"]
 
 
-def test_te_fuse_stores_the_report_and_fuses_the_model(shell, capsys):
+def test_te_fuse_returns_the_report_with_o_and_fuses_the_model(shell, capsys):
     start = {name: id(m) for name, m in shell.user_ns["model"].named_modules()}
     state = {k: v.clone() for k, v in shell.user_ns["model"].state_dict().items()}
-    assert shell.run_line_magic("te_fuse", "model --sample batch -o report -q") is None
+    report = shell.run_line_magic("te_fuse", "model --sample batch -o -q")  # as %timeit -o returns its result
     assert capsys.readouterr().out == ""
-    report = shell.user_ns["report"]
     assert isinstance(report, te_lab.FusionReport) and len(report.fused) == 4 * LAYERS + 2
     assert fused_count(shell) == 4 * LAYERS + 2
     shell.run_line_magic("te_unfuse", "model")
@@ -68,18 +69,17 @@ def test_te_fuse_displays_its_report_once(shell, capsys):
 
 
 def test_te_fuse_evaluates_expressions_and_passes_every_option(shell):
-    shell.run_line_magic("te_fuse", 'nets["big"] --only layernorm,mlp -q -o r1')
-    assert {row.rule for row in shell.user_ns["r1"].fused} == {"layernorm", "mlp"}
-    shell.run_line_magic("te_fuse", "model --exclude lm_head_loss,model.layers.0.* --no-verify -q -o r2")
-    rows = shell.user_ns["r2"].rows
+    assert shell.run_line_magic("te_fuse", 'nets["big"] --only layernorm,mlp -q') is None  # no -o: no value
+    assert {fusion.rule for fusion in te_lab.fusions(shell.user_ns["nets"]["big"])} == {"layernorm", "mlp"}
+    rows = shell.run_line_magic("te_fuse", "model --exclude lm_head_loss,model.layers.0.* --no-verify -q -o").rows
     assert not any(row.path.startswith("model.layers.0.") or row.rule == "lm_head_loss" for row in rows)
     assert {row.probe for row in rows} == {"none (verify=False)"}
     shell.run_line_magic("te_unfuse", "model")
-    shell.run_line_magic("te_fuse", "model --dry-run --backend reference -q -o r3")
-    assert {row.status for row in shell.user_ns["r3"].rows} == {"would-fuse"} and fused_count(shell) == 0
-    assert {b for row in shell.user_ns["r3"].rows for b in row.backends.values()} == {"reference"}
-    shell.run_line_magic("te_fuse", "model --only rmsnorm --auto -q -o r4")
-    assert all(row.speedup is not None for row in shell.user_ns["r4"].rows)
+    dry = shell.run_line_magic("te_fuse", "model --dry-run --backend reference -q -o")
+    assert {row.status for row in dry.rows} == {"would-fuse"} and fused_count(shell) == 0
+    assert {b for row in dry.rows for b in row.backends.values()} == {"reference"}
+    timed = shell.run_line_magic("te_fuse", "model --only rmsnorm --auto -q -o")
+    assert all(row.speedup is not None for row in timed.rows)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -100,19 +100,61 @@ def test_te_fuse_mistakes_are_usage_errors(shell, line, message):
 
 def test_te_profile_line_and_cell_forms(shell, tmp_path, capsys):
     shell.run_line_magic("te_fuse", "model --sample batch -q")
-    shell.run_line_magic("te_profile", "--model model --steps 1 --warmup 0 -o line_report model(**batch)")
-    report = shell.user_ns["line_report"]
+    report = shell.run_line_magic("te_profile", "--model model --steps 1 --warmup 0 -o model(**batch)")
     assert isinstance(report, te_lab.ProfileReport) and report.modes["fused"].backward_median_ms > 0
-    assert "te_lab.profile:" in capsys.readouterr().out  # the text fallback outside a notebook
+    out = capsys.readouterr().out
+    assert "te_lab.profile:" in out  # the text fallback outside a notebook
+    # 1 timed step, one profiled step thrown away and one kept, per mode
+    assert "%te_profile: ran the statement 6 times (0 warm-up and 1 timed steps" in out
     path = tmp_path / "cell.html"
-    shell.run_cell_magic("te_profile", f"--steps 1 --warmup 0 --html {path} -o cell_report",
-                         "loss = model(**batch).loss\nloss.backward()\nmodel.zero_grad()\n")
-    cell_report = shell.user_ns["cell_report"]
+    shell.user_ns["cell_runs"] = 0
+    cell_report = shell.run_cell_magic("te_profile", f"--steps 1 --warmup 0 --html {path} -o",
+                                       "cell_runs += 1\nloss = model(**batch).loss\nloss.backward()\n"
+                                       "model.zero_grad()\n")
     assert cell_report.modes["eager"].backward_median_ms is None  # the cell did its own backward
     assert any(c.key == "model.layers.0.mlp" and c.eager.backward_ms > 0 for c in cell_report.modules)
-    assert path.exists() and f"static report written to {path}" in capsys.readouterr().out
-    shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward -o fwd model(batch['input_ids'])")
-    assert shell.user_ns["fwd"].modes["fused"].backward_median_ms is None
+    out = capsys.readouterr().out
+    assert path.exists() and f"static report written to {path}" in out
+    assert shell.user_ns["cell_runs"] == 6 and "%te_profile: ran the cell 6 times" in out
+    fwd = shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward -o model(batch['input_ids'])")
+    assert fwd.modes["fused"].backward_median_ms is None
+    assert shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward model(batch['input_ids'])") is None
+
+
+def test_te_profile_cell_warns_when_it_changes_the_parameters(shell, capsys):
+    shell.run_line_magic("te_fuse", "model -q")
+    shell.user_ns["optimizer"] = torch.optim.SGD(shell.user_ns["model"].parameters(), lr=1e-3)
+    before = {name: p.detach().clone() for name, p in shell.user_ns["model"].named_parameters()}
+    with pytest.warns(RuntimeWarning, match=r"changed \d+ of the models' parameters in place while it ran 6 times"):
+        report = shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 -o",
+                                      "model(**batch).loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n")
+    assert any("moving model" in note for note in report.notes)
+    assert any(not torch.equal(p, before[name]) for name, p in shell.user_ns["model"].named_parameters())
+    # A cell that only reads the parameters gets no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        shell.run_cell_magic("te_profile", "--steps 1 --warmup 0", "model(**batch).loss.backward()\n"
+                             "model.zero_grad()\n")
+
+
+def test_te_profile_statements_go_through_the_input_transformers(shell, capsys):
+    shell.run_line_magic("te_fuse", "model -q")
+    shell.user_ns["seen"] = []
+    # IPython syntax in the cell (a line magic) runs as it would in a cell of its own.
+    shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 --no-backward",
+                         "%time seen.append(1)\nmodel(batch['input_ids'])\n")
+    assert len(shell.user_ns["seen"]) == 6
+
+
+def test_magics_taking_python_do_not_expand_variables(shell):
+    # {name} is Python here (a set literal); IPython's expansion would substitute the name's
+    # value first: nets[big.pop()] (a NameError) and seen.append(3) instead of {3}.
+    shell.user_ns.update(key="big", seen=[], torch=torch)
+    report = shell.run_line_magic("te_fuse", "nets[{key}.pop()] --only layernorm -q -o")
+    assert {row.rule for row in report.fused} == {"layernorm"} and te_lab.is_fused(shell.user_ns["nets"]["big"])
+    shell.run_line_magic("te_profile", '--model nets["big"] --steps 1 --warmup 0 --no-backward seen.append({number}) '
+                         'or nets["big"](torch.zeros(1, 4, dtype=torch.long))')
+    assert shell.user_ns["seen"] == [{3}] * 6
 
 
 def test_te_profile_mistakes_and_user_errors(shell):
@@ -125,6 +167,8 @@ def test_te_profile_mistakes_and_user_errors(shell):
         shell.run_line_magic("te_profile", '--model nets["big"] model(**batch)')
     with pytest.raises(UsageError, match="steps must be a positive integer"):
         shell.run_line_magic("te_profile", "--steps 0 model(**batch)")
+    with pytest.raises(UsageError, match="warmup must be a non-negative integer, got 'x'"):
+        shell.run_line_magic("te_profile", "--warmup x model(**batch)")
     with pytest.raises(UsageError, match="--html must name an .html file"):
         shell.run_line_magic("te_profile", "--html out.txt model(**batch)")
     with pytest.raises(NameError):  # the user's own statement fails as it would without the magic

@@ -11,6 +11,7 @@ import torch
 
 from te_lab import device as devices
 from te_lab.models import HUGGINGFACE_MODEL_NAMES, MODEL_NAMES, canonical_model_name
+from te_lab.options import argument_type, check_steps, check_warmup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,12 +68,16 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, model: str | None, bat
     parser.add_argument("--device", type=device_name, default=None,
                         help=f"cpu, cuda[:N] or musa[:N] (default: the first GPU, else the CPU; here "
                              f"{devices.default_device()})")
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per mode (default 5)")
-    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed steps per mode first (default 2)")
+    parser.add_argument("--steps", type=argument_type(check_steps), default=5, help="timed steps per mode (default 5)")
+    parser.add_argument("--warmup", type=argument_type(check_warmup), default=2,
+                        help="untimed steps per mode first (default 2)")
     parser.add_argument("--html", type=file_with_suffix(".html", ".htm"), default=html,
                         help="write the static dashboard here" + (f" (default {html})" if html else ""))
     parser.add_argument("--json", type=file_with_suffix(".json"), default=None,
                         help="write the ProfileReport here as JSON (te_lab.ProfileReport.from_json reads it)")
+    parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                        help="write each mode's raw profiler traces here (<mode>.step<N>.pt.trace.json.gz; "
+                             "te_lab.open_trace, TensorBoard or Perfetto read them)")
 
 
 def check_dtype_on_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
