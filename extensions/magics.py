@@ -20,7 +20,7 @@ from torch import nn
 
 import te_lab
 from te_lab.options import BACKEND_CHOICES, argument_type, check_steps, check_warmup
-from te_lab.profiler import profile_statement
+from te_lab.profiler import ProfileRun
 from te_lab.status import status_lines
 
 
@@ -182,15 +182,16 @@ class TeLabMagics(Magics):
             exec(compiled, namespace)
             return None
 
+        profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup,
+                                           backward=is_expression and not args.no_backward)
         try:
-            report = profile_statement(run, models, steps=args.steps, warmup=args.warmup,
-                                       backward=is_expression and not args.no_backward)
+            report = profile_run.run()
         finally:
             print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {args.steps} timed steps, "
                   f"then profiled steps, in each of eager and fused mode)")
         if args.html:
-            print(f"static report written to {report.to_html(args.html)}")
-        report.show()
+            print(f"static report written to {te_lab.to_html(report, args.html)}")
+        te_lab.show(report, rerun=profile_run)
         return report
 
     @line_magic

@@ -5,7 +5,7 @@ fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
 from te_lab import device, distributed, kernels, models, modules, optim
-from te_lab.profiler import ProfileReport, profile
+from te_lab.profiler import ProfileReport, ProfileRun, profile
 from te_lab.kernels import use_backend
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
                             fuse, fusions, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
@@ -14,6 +14,24 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(shell) -> None:
+def show(report, rerun=None) -> None:
+    """The dashboard of ``report`` in a notebook (its Re-run button measuring ``rerun``, a
+    :class:`ProfileRun`, when given); the text summary where no widget frontend runs
+    (plain Python, a terminal, a CI log). Loads ipywidgets and plotly on first use."""
+    from te_lab.widgets.display import show_report
+
+    show_report(report, rerun)
+
+
+def to_html(report, path):
+    """Write ``report``'s dashboard as one self-contained HTML file (plotly.js inlined, no
+    network needed) and return its path (in a distributed run, the rank's own file:
+    ``report.rank0.html``)."""
+    from te_lab.widgets.export import write_html
+
+    return write_html(report, path)
+
+
     """``%load_ext te_lab``: the magics (see ``te_lab.extensions``)."""
     from te_lab.extensions import load_ipython_extension as load
 
@@ -35,6 +53,7 @@ __all__ = [
     "ProbeInputs",
     "ProfileReport",
     "Skip",
+    "ProfileRun",
     "UnfuseResult",
     "Variant",
     "__version__",
@@ -53,6 +72,8 @@ __all__ = [
     "rules",
     "unfuse",
     "unfused",
+    "show",
+    "to_html",
     "unload_ipython_extension",
     "unregister_rule",
     "use_backend",

@@ -11,7 +11,9 @@ import torch
 import te_lab
 from te_lab import models
 from te_lab.kernels import rms_norm, rms_norm_reference
-from te_lab.profiler.engine import LOSS_KEY, OTHER_KEY, TARGET_KEY
+from te_lab.profiler.correction import OVERHEAD_WARNING
+from te_lab.profiler.engine import LOSS_KEY, TARGET_KEY
+from te_lab.profiler.report import OTHER_KEY
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,40 @@ def test_bad_targets_and_options_get_clear_errors():
         te_lab.profile(42)
     with pytest.raises(ValueError, match="steps must be a positive integer"):
         te_lab.profile(lambda: torch.ones(1), steps=0)
+
+
+def test_module_times_add_up_to_the_unprofiled_step_in_both_modes(llama_profile):
+    for mode in ("eager", "fused"):
+        summary = llama_profile.modes[mode]
+        modules_ms = sum(getattr(c, mode).total_ms for c in llama_profile.modules)
+        assert modules_ms == pytest.approx(summary.step_median_ms, rel=0.10), mode
+        assert summary.profiled_ratio == pytest.approx(summary.profiled_step_ms / summary.step_median_ms)
+        # on the CPU the profiler slows every op, so the correction only ever shrinks them
+        assert 0 < summary.attribution_scale <= 1 / min(summary.profiled_ratio, 1.0) + 1e-9
+        warned = any(note.startswith(f"warning: the profiler slowed the {mode} step") for note in llama_profile.notes)
+        assert warned == (summary.profiled_ratio > 1 + OVERHEAD_WARNING), mode
+        assert summary.compiles == 0, mode  # warm-up ran every compile before the measured steps
+    assert f"{llama_profile.modes['eager'].profiled_ratio:.2f}x" in llama_profile.summary()
+
+
+def test_the_summary_leads_with_step_time_traffic_and_launches(llama_profile):
+    lines = llama_profile.summary().splitlines()
+    assert [line.split(":")[0] for line in lines[1:4]] == ["step time", "memory traffic (estimate)", "launches saved"]
+    totals, eager, fused = llama_profile.totals, llama_profile.modes["eager"], llama_profile.modes["fused"]
+    assert totals.step_time_change == pytest.approx(fused.step_median_ms / eager.step_median_ms - 1)
+    eager_bytes = sum(c.eager.bytes_moved for c in llama_profile.modules)
+    fused_bytes = sum(c.fused.bytes_moved for c in llama_profile.modules)
+    assert totals.traffic_change == pytest.approx(fused_bytes / eager_bytes - 1)
+    assert f"{100 * totals.step_time_change:+.1f}%" in lines[1]
+    assert f"{100 * totals.traffic_change:+.1f}%" in lines[2] and str(totals.launches_saved) in lines[3]
+
+
+def test_a_compile_inside_a_measured_step_is_counted_and_warned():
+    def plain(x):
+        return (x * 2).sin()
+
+    compiled = torch.compile(lambda x: (x * 2).sin(), backend="eager")  # Dynamo only: no Inductor compile
+    report = te_lab.profile((plain, compiled), (torch.randn(64),), steps=1, warmup=0, backward=False)
+    assert report.modes["eager"].compiles == 0
+    assert report.modes["fused"].compiles >= 1  # its first timed step compiled the frame
+    assert any("compilation events during the fused mode" in note for note in report.notes)

@@ -46,7 +46,7 @@ def _report(fp32_tflops=None, series=True) -> ProfileReport:
                "fused": ModeSummary("fused", step_median_ms=10.0, peak_memory_bytes=None)},
         modules=modules, kinds=kinds,
         totals=Totals(speedup=2.0, time_saved_ms=10.0, launches_saved=42, bytes_saved_estimate=5 * 2**20,
-                      fused_share=0.5),
+                      fused_share=0.5, step_time_change=-0.5, traffic_change=-0.25),
         roofline=[RooflinePoint("eager", "norm", 0.25, 2.0, 8.0, 5.0),
                   RooflinePoint("eager", "mlp", None, None, None, 10.0),
                   RooflinePoint("fused", "norm", 0.25, 5.0, 20.0, 2.0),
@@ -192,14 +192,17 @@ def test_utilization_without_series_says_why():
 
 
 def test_summary_cards():
-    assert figures.summary_cards(_report()) == [
-        ("step time", "eager 20.000 ms / fused 10.000 ms"),
-        ("speedup", "2.00x"),
-        ("time saved per step", "10.000 ms"),
-        ("launches saved", "42"),
-        ("bytes saved (estimate)", "5.0 MiB"),
+    report = _report()
+    report.modes["eager"].profiled_step_ms, report.modes["fused"].compiles = 30.0, 2
+    report.modes["eager"].launches, report.modes["fused"].launches = 50, 8
+    assert figures.summary_cards(report) == [
+        ("step time", "-50.0% (20.000 -> 10.000 ms, 2.00x)"),
+        ("memory traffic (estimate)", "-25.0% (5.0 MiB saved)"),
+        ("launches saved", "42 (50 -> 8)"),
         ("peak memory", "eager 3.0 MiB / fused -"),
         ("modules fused", "3"),
+        ("profiled / unprofiled step", "eager 1.50x / fused -"),
+        ("compiles in measured steps", "eager 0 / fused 2"),
     ]
 
 
@@ -227,5 +230,5 @@ def test_every_figure_builds_from_a_real_report(tiny_llama_report):
     figures.roofline_figure(report)
     figures.utilization_figure(report)
     assert [title for title, _ in figures.summary_cards(report)] == [
-        "step time", "speedup", "time saved per step", "launches saved", "bytes saved (estimate)",
-        "peak memory", "modules fused"]
+        "step time", "memory traffic (estimate)", "launches saved", "peak memory", "modules fused",
+        "profiled / unprofiled step", "compiles in measured steps"]

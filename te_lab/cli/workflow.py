@@ -66,7 +66,7 @@ def fuse_and_profile(args: argparse.Namespace) -> int:
 
     _stage(4, "writing the reports")
     if args.html is not None:
-        print(f"      static dashboard: {report.to_html(args.html)} (opens offline in any browser)")
+        print(f"      static dashboard: {te_lab.to_html(report, args.html)} (opens offline in any browser)")
     if args.json is not None:
         args.json.write_text(report.to_json(indent=1), encoding="utf-8")
         print(f"      ProfileReport as JSON: {args.json} (te_lab.ProfileReport.from_json reads it back)")

@@ -1,10 +1,12 @@
 """The profiler engine: eager against fused, per op kind and per module, as data.
 
-``te_lab.profile(target, inputs)`` returns a :class:`ProfileReport`; it never imports
+``te_lab.profile(target, inputs)`` returns a :class:`ProfileReport`; a
+:class:`ProfileRun` keeps the arguments to measure again. No module here imports
 widgets or plotly (the dashboard draws the report).
 """
 
 from .engine import profile, profile_statement
+from .profile_run import ProfileRun
 from .report import ProfileReport
 
-__all__ = ["ProfileReport", "profile", "profile_statement"]
+__all__ = ["ProfileReport", "ProfileRun", "profile", "profile_statement"]

@@ -16,14 +16,16 @@ gradient all-reduce runs and is measured (``.grad`` is put back as it was; with
 communication; in a distributed run the report records its rank (``report.save``
 writes ``report.rank<r>.json``).
 Timed steps run without the profiler (warm-up first, modes alternating which goes
-first each round); then one profiled step per mode gives the attribution, launches,
-bytes, timeline and memory. The RNG state, parameters and gradients are left as found.
+first each round); then profiled steps per mode give the attribution, launches, bytes,
+timeline and memory. Module times are rescaled so each mode's modules and "(other)" add
+up to its unprofiled step (:mod:`.correction`), and compilations during timed or
+profiled steps are counted per mode (:mod:`.compiles`). The RNG state, parameters and
+gradients are left as found.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.metadata
 import statistics
 import time
@@ -42,12 +44,12 @@ from te_lab.kernels import use_backend
 from te_lab.options import check_steps, check_warmup
 from te_lab.surgery import fusions, is_fused, unfused
 
-from . import regions
+from . import compiles, correction, regions
 from .attribution import attribute
 from .device_kernels import achieved_occupancy, busy_ns, idle_split_ns, sm_efficiency
 from .estimates import BYTES_FORMULA
-from .report import (Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region, RooflinePoint,
-                     Totals)
+from .report import (OTHER_KEY, Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region,
+                     RooflinePoint, Totals)
 from .sampler import UtilizationSampler
 
 LOSS_KEY = "(model) lm_head + loss"
@@ -55,7 +57,6 @@ TARGET_KEY = "(target)"  # the region of a callable target
 # Profiled steps per mode: the profiler's own hiccups (a few ms on a busy CPU) hit single
 # ops at random, so each region's times are medians over these steps.
 PROFILED_STEPS = 3
-OTHER_KEY = "(other)"
 
 FORMULAS = {
     "step_ms": "median over timed steps of the step's wall time (device timer), profiler off",
@@ -63,11 +64,18 @@ FORMULAS = {
     "speedup": "eager step median / fused step median",
     "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
     "bytes_moved": BYTES_FORMULA,
-    "region_time": "sum of the durations of the region's top-level ops in the profiled step (forward: ops "
-                   "under the module's forward; backward: autograd nodes created by those ops)",
-    "other": "profiled step's op time not attributed to a module (embeddings, residual adds, glue, optimizer "
-             "steps)",
-    "fused_share": "fused step: time of regions holding fused ops / all op time",
+    "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
+    "traffic_change": "fused bytes moved / eager bytes moved - 1, summed over every module (estimates)",
+    "region_time": "sum of the durations of the region's top-level ops in the profiled steps (median over "
+                   "them; forward: ops under the module's forward; backward: autograd nodes created by those "
+                   "ops), x the mode's attribution scale",
+    "attribution_scale": correction.FORMULA,
+    "profiled_ratio": correction.RATIO_FORMULA,
+    "other": "unprofiled step median - the mode's scaled module times: ops no module owns (embeddings, residual "
+             "adds, glue, optimizer steps) and the time between ops",
+    "compiles": compiles.FORMULA,
+    "fused_share": "fused step: time of the modules holding fused ops / the step (both scaled to the unprofiled "
+                   "step)",
     "achieved_gbs": "bytes moved / region time",
     "achieved_gflops": "FLOPs / region time",
     "arithmetic_intensity": "FLOPs / bytes moved",
@@ -237,8 +245,9 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
             device=None, progress: Optional[Callable[[int, int], None]] = None) -> ProfileReport:
     """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport.
 
-    ``progress(done, total)`` is called after every step (for progress bars). The report
-    can re-run itself with the same arguments: ``report.rerun(progress=...)``.
+    ``progress(done, total)`` is called after every step (for progress bars). To measure
+    again with the same arguments (the dashboard's Re-run), keep a
+    :class:`~te_lab.profiler.ProfileRun`.
     """
     _check_counts(steps, warmup, "te_lab.profile")
     modes, description, key_info = _modes(target, inputs)
@@ -249,9 +258,6 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup, backward,
                       progress)
-    # Not a dataclass field: a live hook, absent from JSON (a loaded report cannot re-run).
-    report.rerun = functools.partial(profile, target, inputs, steps=steps, warmup=warmup, backward=backward,
-                                     device=device)
     return report
 
 
@@ -306,8 +312,6 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
                    f"eager and fused steps measured a moving model")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         report.notes.append(message)
-    report.rerun = functools.partial(profile_statement, run, models, steps=steps, warmup=warmup, backward=backward,
-                                     device=device)
     return report
 
 
@@ -326,6 +330,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
              backward: bool, progress) -> ProfileReport:
     report = ProfileReport(environment, formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
+    compile_counters = {mode.name: compiles.CompileCounter() for mode in modes}
     total = len(modes) * runs_per_mode(steps, warmup)
     done = 0
 
@@ -345,7 +350,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         with UtilizationSampler(dev) as sampler:
             for index in range(steps):
                 for mode in (modes if index % 2 == 0 else modes[::-1]):
-                    with mode.context():
+                    with mode.context(), compile_counters[mode.name]:
                         sampler.mark(f"{mode.name} step {index + 1} start")
                         samples[mode.name].append(_timed_step(mode, backward, dev))
                         advance()
@@ -356,13 +361,16 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         # hundreds of ms that land on whichever op runs first.
         for index in range(-1, min(steps, PROFILED_STEPS)):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
-                profiled = _profiled_step(mode, backward, dev)
+                with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
+                    profiled = _profiled_step(mode, backward, dev)
                 if index >= 0:
                     runs[mode.name].append(profiled)
                 advance()
         traces = {name: _median_run(profiled) for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = _summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
+        report.modes[mode.name].compiles = compile_counters[mode.name].count
+    _correct_to_unprofiled(report, traces, devices.is_gpu(dev))
     _compare(report, traces, key_info)
     _utilization(report, samples, sampler, traces, dev)
     report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
@@ -433,6 +441,26 @@ def _summary(name: str, samples: list, profiled: _Profiled, backward: bool, devi
     return summary
 
 
+def _correct_to_unprofiled(report: ProfileReport, traces: dict, device_times: bool) -> None:
+    """Scale each mode's region times to its unprofiled step (:mod:`.correction`), and
+    note what the profiler cost and any compilation a measured step paid for."""
+    for mode, summary in report.modes.items():
+        trace = traces[mode].trace
+        scale = correction.attribution_scale(summary.step_median_ms, summary.profiled_step_ms,
+                                             trace.attributed_us / 1e3, device_times)
+        for region in trace.regions.values():
+            region.forward_ms *= scale
+            region.backward_ms *= scale
+        trace.attributed_us *= scale
+        summary.attribution_scale = scale
+        warning = correction.overhead_warning(mode, summary.step_median_ms, summary.profiled_step_ms)
+        if warning:
+            report.notes.append(warning)
+        if summary.compiles:
+            report.notes.append(f"warning: {summary.compiles} compilation events during the {mode} mode's timed or "
+                                f"profiled steps: its times include compiling (raise warmup)")
+
+
 def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
     keys = list(key_info) + [k for t in traces.values() for k in t.trace.regions if k not in key_info]
     for key in dict.fromkeys(keys):
@@ -444,7 +472,7 @@ def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
     for mode in ("eager", "fused"):
         trace = traces[mode].trace
         region = getattr(other, mode)
-        region.forward_ms = max(trace.op_us - trace.attributed_us, 0.0) / 1e3
+        region.forward_ms = max(report.modes[mode].step_median_ms - trace.attributed_us / 1e3, 0.0)
         region.launches = trace.launches - sum(r.launches for r in trace.regions.values())
     report.modules.append(other)
     by_kind: dict[str, Comparison] = {}
@@ -461,11 +489,14 @@ def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
     eager, fused = report.modes["eager"], report.modes["fused"]
     fused_op_ms = sum(c.fused.total_ms for c in report.modules if c.key != OTHER_KEY)
     all_fused_ms = sum(c.fused.total_ms for c in report.modules)
+    eager_bytes = sum(c.eager.bytes_moved for c in report.modules)
+    fused_bytes = sum(c.fused.bytes_moved for c in report.modules)
     report.totals = Totals(
         eager.step_median_ms / fused.step_median_ms if fused.step_median_ms > 0 else float("nan"),
-        eager.step_median_ms - fused.step_median_ms, eager.launches - fused.launches,
-        sum(c.eager.bytes_moved - c.fused.bytes_moved for c in report.modules),
-        fused_op_ms / all_fused_ms if all_fused_ms > 0 else 0.0)
+        eager.step_median_ms - fused.step_median_ms, eager.launches - fused.launches, eager_bytes - fused_bytes,
+        fused_op_ms / all_fused_ms if all_fused_ms > 0 else 0.0,
+        fused.step_median_ms / eager.step_median_ms - 1 if eager.step_median_ms > 0 else float("nan"),
+        fused_bytes / eager_bytes - 1 if eager_bytes > 0 else None)
     for mode in ("eager", "fused"):
         for comparison in report.kinds:
             region = getattr(comparison, mode)

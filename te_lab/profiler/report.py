@@ -2,8 +2,9 @@
 
 Every figure is a measurement or computed from measurements, and the derived ones carry
 the formula they came from (``formulas``, ``Figure.formula``). Dataclasses only; a JSON
-round trip (``to_json`` / ``from_json``) is lossless. The dashboard (``show``) draws it;
-this module never imports widgets or plotly.
+round trip (``to_json`` / ``from_json``) is lossless. The dashboard draws it
+(``te_lab.show(report)``, ``te_lab.to_html(report, path)``); no profiler module imports
+widgets or plotly.
 """
 
 from __future__ import annotations
@@ -11,17 +12,22 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 MODES = ("eager", "fused")
+OTHER_KEY = "(other)"  # the row of step time no module accounts for
 
 
 @dataclass
 class ModeSummary:
-    """One mode's step: medians over the timed (unprofiled) steps, and what the one
-    profiled step showed (launches, peak memory)."""
+    """One mode's step: medians over the timed (unprofiled) steps, and what the
+    profiled steps showed (launches, peak memory). ``attribution_scale`` is the factor
+    the profiled op times were multiplied by so the modules add up to the unprofiled
+    step (:mod:`te_lab.profiler.correction`); ``compiles`` counts compilation events
+    during the mode's timed and profiled steps (:mod:`te_lab.profiler.compiles`)."""
 
     mode: str
     step_ms: list = field(default_factory=list)
@@ -38,6 +44,16 @@ class ModeSummary:
     effective_parallelism: Optional[float] = None
     communication_ms: Optional[float] = None  # profiled step; None where it ran no collective
     collectives: int = 0
+    attribution_scale: float = 1.0
+    compiles: int = 0
+
+    @property
+    def profiled_ratio(self) -> Optional[float]:
+        """Profiled step wall time / unprofiled step median (1.0: the profiler cost nothing);
+        None where either was not measured."""
+        if self.step_median_ms <= 0 or self.profiled_step_ms <= 0:
+            return None
+        return self.profiled_step_ms / self.step_median_ms
 
 
 @dataclass
@@ -90,6 +106,8 @@ class Totals:
     launches_saved: int
     bytes_saved_estimate: int
     fused_share: float  # of the fused profiled step, the share of time inside fused ops
+    step_time_change: float = 0.0  # fused step median / eager step median - 1 (negative: faster)
+    traffic_change: Optional[float] = None  # fused bytes moved / eager bytes moved - 1; None without bytes
 
 
 @dataclass
@@ -166,12 +184,29 @@ class ProfileReport:
 
     # ---- views ----------------------------------------------------------------------
 
+    def headline(self) -> list[tuple[str, str]]:
+        """The figures a reader wants first, as ``(title, value)``: step time change and
+        memory traffic change, eager against fused, then launches saved."""
+        totals = self.totals
+        if totals is None:
+            return [("step time", "-"), ("memory traffic (estimate)", "-"), ("launches saved", "-")]
+        eager, fused = self.modes["eager"], self.modes["fused"]
+        traffic = "-" if totals.traffic_change is None else _change(totals.traffic_change)
+        return [
+            ("step time", f"{_change(totals.step_time_change)} ({eager.step_median_ms:.3f} -> "
+                          f"{fused.step_median_ms:.3f} ms, {totals.speedup:.2f}x)"),
+            ("memory traffic (estimate)", f"{traffic} ({_mib(totals.bytes_saved_estimate)} MiB saved)"),
+            ("launches saved", f"{totals.launches_saved} ({eager.launches} -> {fused.launches})"),
+        ]
+
     def summary(self) -> str:
         eager, fused = self.modes["eager"], self.modes["fused"]
         env = self.environment
         rank = "" if env.rank is None else f", rank {env.rank} of {env.world_size}"
         lines = [f"te_lab.profile: {env.target} on {env.device_name} ({env.device}, {env.threads} threads, "
                  f"{env.dtype}{rank}), {len(eager.step_ms)} interleaved steps per mode"]
+        lines += _table([(f"{title}:", value) for title, value in self.headline()])
+        lines.append("")
         header = ("", "eager", "fused", "")
         rows = [
             ("step ms (median ± spread)", f"{eager.step_median_ms:.3f} ± {eager.step_spread_ms:.3f}",
@@ -183,12 +218,14 @@ class ProfileReport:
             ("peak memory MiB", _mib(eager.peak_memory_bytes), _mib(fused.peak_memory_bytes), eager.peak_memory_source),
             ("effective parallelism", _num(eager.effective_parallelism), _num(fused.effective_parallelism),
              f"of {env.threads} threads"),
+            ("profiled / unprofiled step", _ratio(eager.profiled_ratio), _ratio(fused.profiled_ratio),
+             "module times rescaled to the unprofiled step"),
+            ("compiles in timed or profiled steps", str(eager.compiles), str(fused.compiles), "expected 0"),
         ]
         if eager.communication_ms is not None or fused.communication_ms is not None:
             rows.append(("communication ms (profiled step)", _num(eager.communication_ms, 3),
                          _num(fused.communication_ms, 3), f"collectives {eager.collectives}/{fused.collectives}"))
         if self.totals:
-            rows.append(("bytes moved (estimate)", "", "", f"saved {self.totals.bytes_saved_estimate / 2**20:.1f} MiB"))
             rows.append(("time in fused ops", "", f"{100 * self.totals.fused_share:.0f}%", ""))
         lines += _table([header] + rows)
         lines.append("")
@@ -213,29 +250,16 @@ class ProfileReport:
         return (f'<div class="te-lab-profile"><pre>{summary}</pre><table><thead><tr>{head}</tr></thead>'
                 f"<tbody>{body}</tbody></table></div>")
 
-    def show(self) -> None:
-        """The dashboard in a notebook (``te_lab.widgets.Dashboard``); the text summary
-        where no widget frontend runs (plain Python, a terminal, a CI log)."""
-        from te_lab.widgets.display import show_report  # widgets load only when asked for
-
-        show_report(self)
-
-    def to_html(self, path) -> "pathlib.Path":
-        """One self-contained HTML file (plotly.js inlined, no network needed) with the
-        dashboard's charts and the summary table (one per rank in a distributed run, named
-        as :meth:`save` names them)."""
-        from te_lab.widgets.export import write_html
-
-        return write_html(self, self._per_rank(path))
-
     def save(self, path) -> pathlib.Path:
-        """Write the JSON to ``path`` and return where it went: in a distributed run each
-        rank writes its own file, the rank before the suffix (``report.rank0.json``)."""
-        target = self._per_rank(path)
+        """Write the JSON to ``path`` and return where it went (:meth:`path_for`)."""
+        target = self.path_for(path)
         target.write_text(self.to_json(indent=1))
         return target
 
-    def _per_rank(self, path) -> pathlib.Path:
+    def path_for(self, path) -> pathlib.Path:
+        """Where this report's file named ``path`` goes: ``path`` itself, or in a distributed
+        run the rank before the suffix (``report.rank0.json``), so ranks never overwrite
+        each other."""
         path = pathlib.Path(path)
         rank = self.environment.rank
         return path if rank is None else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
@@ -286,7 +310,12 @@ def _num(value: Optional[float], digits: int = 2) -> str:
 
 
 def _ratio(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def _change(fraction: float) -> str:
+    """A relative change as a signed percentage: -0.123 -> "-12.3%"."""
+    return "-" if math.isnan(fraction) else f"{100 * fraction:+.1f}%"
 
 
 def _table(rows: list) -> list[str]:

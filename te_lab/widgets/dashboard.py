@@ -1,6 +1,7 @@
 """The profiler dashboard: an ipywidgets layout of plotly FigureWidgets drawn from a
-ProfileReport. It never measures; the Re-run button asks the report's own ``rerun``
-hook (a report loaded from JSON has none, and the button says so).
+ProfileReport. It never measures; the Re-run button runs the
+:class:`~te_lab.profiler.ProfileRun` it was given (without one, as for a report loaded
+from JSON, the button is off and says why).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from .figures import (GROUP_BY, PHASES, gain_rows, gains_figure, roofline_figure
                       utilization_figure)
 
 GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
-NO_RERUN = "This report was loaded without its model (from JSON): there is nothing to re-run"
+NO_RERUN = ("No ProfileRun was given with this report (te_lab.show(report, rerun=te_lab.ProfileRun(...))): "
+            "there is nothing to re-run")
 
 
 def _cards_html(report) -> str:
@@ -36,10 +38,11 @@ def _figures_table(report) -> str:
 
 
 class Dashboard(widgets.VBox):
-    """``Dashboard(report)``: summary cards, then tabs Gains / Timeline / Utilization /
-    Roofline, and a Re-run button."""
+    """``Dashboard(report, rerun=None)``: summary cards, then tabs Gains / Timeline /
+    Utilization / Roofline, and a Re-run button that measures ``rerun`` (a
+    :class:`~te_lab.profiler.ProfileRun`) again."""
 
-    def __init__(self, report):
+    def __init__(self, report, rerun=None):
         self.cards = widgets.HTML()
         self.group_by = widgets.Dropdown(options=[(GROUP_LABELS[g], g) for g in GROUP_BY], value="kind",
                                          description="group by")
@@ -67,6 +70,7 @@ class Dashboard(widgets.VBox):
         self.phase.observe(lambda _: self._draw_gains(), names="value")
         self.rerun_button.on_click(lambda _: self.rerun())
         self.report = None
+        self.profile_run = rerun
         self.update(report)
 
     # ---- drawing ----------------------------------------------------------------------
@@ -80,7 +84,7 @@ class Dashboard(widgets.VBox):
         self._replace(self.roofline, roofline_figure(report))
         self.utilization_table.value = _figures_table(report)
         self._draw_gains()
-        can_rerun = getattr(report, "rerun", None) is not None
+        can_rerun = self.profile_run is not None
         self.rerun_button.disabled = not can_rerun
         self.rerun_button.tooltip = "Profile the model again and redraw" if can_rerun else NO_RERUN
 
@@ -135,9 +139,8 @@ class Dashboard(widgets.VBox):
     # ---- re-run -------------------------------------------------------------------------
 
     def rerun(self) -> Optional[object]:
-        """Profile again through the report's hook, showing progress; redraw in place."""
-        hook = getattr(self.report, "rerun", None)
-        if hook is None:
+        """Measure the ProfileRun again, showing progress; redraw in place. None without one."""
+        if self.profile_run is None:
             return None
         self.rerun_button.disabled = True
         self.progress.layout.visibility = "visible"
@@ -146,7 +149,7 @@ class Dashboard(widgets.VBox):
             self.progress.max, self.progress.value = total, done
 
         try:
-            report = hook(progress=advance)
+            report = self.profile_run.run(progress=advance)
         finally:
             self.progress.layout.visibility = "hidden"
             self.rerun_button.disabled = False

@@ -17,9 +17,10 @@ def widget_frontend_available() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def show_report(report) -> None:
-    """Display ``report``'s dashboard, or print its summary. Returns None, so ``report.show()``
-    as a cell's last line does not display the dashboard a second time (for the widget
+def show_report(report, rerun=None) -> None:
+    """Display ``report``'s dashboard (its Re-run button measuring ``rerun``, a
+    ``ProfileRun``), or print its summary. Returns None, so ``te_lab.show(report)`` as a
+    cell's last line does not display the dashboard a second time (for the widget
     object itself, use ``te_lab.widgets.Dashboard(report)``)."""
     if not widget_frontend_available():
         print(report.summary())
@@ -28,4 +29,4 @@ def show_report(report) -> None:
 
     from .dashboard import Dashboard
 
-    display(Dashboard(report))
+    display(Dashboard(report, rerun))

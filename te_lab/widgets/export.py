@@ -13,9 +13,11 @@ SECTIONS = (("Gains by op kind", gains_figure), ("Timeline", timeline_figure),
 
 
 def write_html(report, path) -> pathlib.Path:
-    target = pathlib.Path(path)
+    """Write the file and return where it went: ``path``, or in a distributed run the
+    rank's own file (``report.path_for``: ``report.rank0.html``)."""
+    target = report.path_for(path)
     if target.suffix.lower() not in (".html", ".htm"):
-        raise ValueError(f"ProfileReport.to_html: path must end in .html, got {str(path)!r}")
+        raise ValueError(f"te_lab.to_html: path must end in .html, got {str(path)!r}")
     cards = "".join(f'<div class="card"><div class="title">{html.escape(title)}</div>'
                     f'<div class="value">{html.escape(value)}</div></div>' for title, value in summary_cards(report))
     charts = []

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from te_lab.profiler.engine import OTHER_KEY
-from te_lab.profiler.report import MODES, Comparison, ProfileReport, Region
+from te_lab.profiler.report import MODES, OTHER_KEY, Comparison, ProfileReport, Region
 
 GROUP_BY = ("kind", "module_type", "module")  # op kind / module type / module instance (Comparison.key)
 PHASES = ("both", "forward", "backward")
@@ -103,11 +102,18 @@ def gains_figure(report: ProfileReport, group_by: str = "kind", phase: str = "bo
 def timeline_figure(report: ProfileReport) -> go.Figure:
     """Gantt chart of the profiled step, eager above fused on one time axis: one bar per
     op on its lane (thread or stream), coloured by phase."""
-    figure = make_subplots(rows=len(MODES), cols=1, shared_xaxes=True, subplot_titles=MODES,
+    return lanes_figure(report.timeline, MODES, "Profiled step, op by op", "µs from the step's first op")
+
+
+def lanes_figure(timeline: list, modes: tuple, title: str, x_title: str) -> go.Figure:
+    """Gantt chart of ``timeline`` (TimelineEvent), one subplot per mode on one time
+    axis, one bar per event on its lane, coloured by phase (also a trace file's
+    kernels, :func:`te_lab.open_trace`)."""
+    figure = make_subplots(rows=len(modes), cols=1, shared_xaxes=True, subplot_titles=modes,
                            vertical_spacing=0.08)
-    for row, mode in enumerate(MODES, start=1):
+    for row, mode in enumerate(modes, start=1):
         for phase, color in PHASE_COLORS.items():
-            events = [e for e in report.timeline if e.mode == mode and e.phase == phase]
+            events = [e for e in timeline if e.mode == mode and e.phase == phase]
             if not events:
                 continue
             figure.add_trace(go.Bar(
@@ -117,8 +123,8 @@ def timeline_figure(report: ProfileReport) -> go.Figure:
                 hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]:.1f} µs<extra></extra>"),
                 row=row, col=1)
     # Bars of one lane share a y position; grouping would shift them apart.
-    figure.update_layout(barmode="overlay", title="Profiled step, op by op")
-    figure.update_xaxes(title_text="µs from the step's first op", row=len(MODES), col=1)
+    figure.update_layout(barmode="overlay", title=title)
+    figure.update_xaxes(title_text=x_title, row=len(modes), col=1)
     return figure
 
 
@@ -212,17 +218,14 @@ def roofline_figure(report: ProfileReport) -> go.Figure:
 
 
 def summary_cards(report: ProfileReport) -> list[tuple[str, str]]:
-    """``(title, value)`` pairs for the dashboard's headline row."""
+    """``(title, value)`` pairs for the dashboard's headline row: the report's headline
+    (step time change, memory traffic change, launches saved) first, then the rest."""
     eager, fused = report.modes["eager"], report.modes["fused"]
-    totals = report.totals
-    cards = [
-        ("step time", f"eager {eager.step_median_ms:.3f} ms / fused {fused.step_median_ms:.3f} ms"),
-        ("speedup", _ratio(totals.speedup if totals else None)),
-        ("time saved per step", f"{totals.time_saved_ms:.3f} ms" if totals else "-"),
-        ("launches saved", str(totals.launches_saved) if totals else "-"),
-        ("bytes saved (estimate)", _mib(totals.bytes_saved_estimate) if totals else "-"),
+    cards = report.headline() + [
         ("peak memory", f"eager {_mib(eager.peak_memory_bytes)} / fused {_mib(fused.peak_memory_bytes)}"),
         ("modules fused", str(sum(module.key != OTHER_KEY for module in report.modules))),
+        ("profiled / unprofiled step", f"eager {_ratio(eager.profiled_ratio)} / fused {_ratio(fused.profiled_ratio)}"),
+        ("compiles in measured steps", f"eager {eager.compiles} / fused {fused.compiles}"),
     ]
     if eager.communication_ms is not None or fused.communication_ms is not None:
         rank = report.environment.rank

@@ -1,0 +1,90 @@
+"""The package's layers import only downward: every ``import`` of every te_lab module (the
+ones inside functions too), read from the source with ``ast``, goes to its own layer or a
+lower one. The order, lowest first: device -> kernels -> modules -> surgery -> profiler
+-> widgets -> the API, magics and CLI. A module the table does not place fails the test,
+so a new module has to be given a layer."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Package name -> its directory (pyproject.toml's package-dir).
+PACKAGES = {"te_lab": ROOT / "te_lab", "te_lab.kernels": ROOT / "kernels", "te_lab.extensions": ROOT / "extensions",
+            "te_lab.benchmarks": ROOT / "benchmarks"}
+# Lowest first; a module belongs to the layer of its longest matching prefix.
+LAYERS = (
+    ("device", ("te_lab.device", "te_lab.inputs", "te_lab.distributed")),
+    ("kernels", ("te_lab.kernels", "te_lab.options")),
+    ("modules", ("te_lab.modules", "te_lab.models")),
+    ("surgery", ("te_lab.surgery",)),
+    # optim labels its work with the profiler's region names (te_lab.profiler.regions)
+    ("profiler", ("te_lab.profiler", "te_lab.optim")),
+    ("widgets", ("te_lab.widgets",)),
+    # status describes the whole installation (te_lab.__version__, every op's backend)
+    ("api", ("te_lab", "te_lab.status", "te_lab.extensions", "te_lab.cli", "te_lab.benchmarks")),
+)
+
+
+def _layer_of(module: str) -> int:
+    matches = [(len(prefix), rank) for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    if not matches:
+        raise AssertionError(f"tests/test_layers.py: module {module} is in no layer of LAYERS; give it one")
+    return max(matches)[1]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package, directory in PACKAGES.items():
+        for path in directory.rglob("*.py"):
+            parts = [part for part in path.relative_to(directory).with_suffix("").parts if part != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, te_lab module) for every import in the file, relative ones resolved, and
+    ``from package import name`` read as the submodule where ``name`` is one."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    imports = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            imports += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package[:len(package) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                imports.append((node.lineno, submodule if submodule in MODULES else base))
+    return [(line, name) for line, name in imports if name == "te_lab" or name.startswith("te_lab.")]
+
+
+def test_every_module_is_placed_in_a_layer():
+    assert "te_lab.profiler.report" in MODULES and "te_lab.kernels.registry" in MODULES
+    for module in MODULES:
+        _layer_of(module)
+
+
+def test_the_layer_table_reads_imports_as_python_does():
+    # the resolver itself, on imports whose targets are known
+    report = _imported("te_lab.widgets.figures", MODULES["te_lab.widgets.figures"])
+    assert any(name == "te_lab.profiler.report" for _, name in report)
+    registry = _imported("te_lab.kernels.registry", MODULES["te_lab.kernels.registry"])
+    assert any(name == "te_lab.device" for _, name in registry)  # from te_lab import device as devices
+    assert _layer_of("te_lab.profiler.engine") < _layer_of("te_lab.widgets.dashboard") < _layer_of("te_lab.cli.demo")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_from_a_higher_layer(module):
+    rank = _layer_of(module)
+    upward = [f"{MODULES[module].relative_to(ROOT)}:{line} imports {name} ({LAYERS[_layer_of(name)][0]} layer)"
+              for line, name in _imported(module, MODULES[module]) if _layer_of(name) > rank]
+    assert not upward, f"{module} is in the {LAYERS[rank][0]} layer, but " + "; ".join(upward)
