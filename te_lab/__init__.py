@@ -7,13 +7,13 @@ fusion rules; it never imports IPython, ipywidgets or plotly.
 from te_lab import device, distributed, kernels, models, modules, optim
 from te_lab.profiler import ProfileReport, ProfileRun, profile
 from te_lab.kernels import use_backend
+from te_lab.profiler.gpu_trace import open_trace
 from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
                             fuse, fusions, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
 
 __version__ = "0.1.0"
 
 
-def load_ipython_extension(shell) -> None:
 def show(report, rerun=None) -> None:
     """The dashboard of ``report`` in a notebook (its Re-run button measuring ``rerun``, a
     :class:`ProfileRun`, when given); the text summary where no widget frontend runs
@@ -32,6 +32,7 @@ def to_html(report, path):
     return write_html(report, path)
 
 
+def load_ipython_extension(shell) -> None:
     """``%load_ext te_lab``: the magics (see ``te_lab.extensions``)."""
     from te_lab.extensions import load_ipython_extension as load
 
@@ -52,8 +53,8 @@ __all__ = [
     "Match",
     "ProbeInputs",
     "ProfileReport",
-    "Skip",
     "ProfileRun",
+    "Skip",
     "UnfuseResult",
     "Variant",
     "__version__",
@@ -66,14 +67,15 @@ __all__ = [
     "load_ipython_extension",
     "models",
     "modules",
+    "open_trace",
     "optim",
     "profile",
     "register_rule",
     "rules",
-    "unfuse",
-    "unfused",
     "show",
     "to_html",
+    "unfuse",
+    "unfused",
     "unload_ipython_extension",
     "unregister_rule",
     "use_backend",

@@ -142,8 +142,11 @@ class Timer:
     """Wall time of a region of device work, in milliseconds.
 
     On GPUs it records device events (so queued kernels are timed, not their
-    launch); on the CPU it reads ``time.perf_counter_ns``. Use as a context manager;
-    ``elapsed_ms`` is valid after the block exits.
+    launch) on ``device``'s current stream, the one its work is queued on, whichever
+    device is current (an event recorded without a stream goes to the current device's
+    stream: on ``cuda:1`` without ``set_device`` that would time an idle stream of
+    ``cuda:0``). On the CPU it reads ``time.perf_counter_ns``. Use as a context
+    manager; ``elapsed_ms`` is valid after the block exits.
     """
 
     def __init__(self, device: DeviceLike = None):
@@ -156,18 +159,84 @@ class Timer:
 
     def __enter__(self) -> "Timer":
         if is_gpu(self.device):
-            self._start_event.record()
+            # Read at entry: a ``with torch.cuda.stream(s)`` around the timer selects s.
+            self._stream = device_module(self.device).current_stream(self.device)
+            self._start_event.record(self._stream)
         else:
             self._start_ns = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc) -> None:
         if is_gpu(self.device):
-            self._end_event.record()
+            self._end_event.record(self._stream)
             self._end_event.synchronize()
             self.elapsed_ms = self._start_event.elapsed_time(self._end_event)
         else:
             self.elapsed_ms = (time.perf_counter_ns() - self._start_ns) / 1e6
+
+
+# Where the device properties do not say how large the last-level cache is: larger than
+# any GPU's L2 today (H100/H200: 50/60 MB, B200: 126 MB).
+DEFAULT_CACHE_FLUSH_BYTES = 256 * 2**20
+_cache_flush_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def cache_size_bytes(device: DeviceLike = None) -> Optional[int]:
+    """The GPU's L2 cache in bytes as its properties report it (``L2_cache_size``);
+    ``None`` on the CPU or where the properties do not say."""
+    dev = resolve(device)
+    if not is_gpu(dev):
+        return None
+    size = getattr(device_module(dev).get_device_properties(dev), "L2_cache_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def flush_cache(device: DeviceLike = None) -> None:
+    """Evict the GPU's L2 cache: overwrite a buffer twice its size (queued on the
+    current stream, like the work timed after it), so a timed kernel reads its inputs
+    from memory, not from a cache its previous call warmed. A no-op on the CPU."""
+    dev = resolve(device)
+    if not is_gpu(dev):
+        return
+    if dev not in _cache_flush_buffers:
+        size = cache_size_bytes(dev)
+        _cache_flush_buffers[dev] = torch.empty(2 * size if size else DEFAULT_CACHE_FLUSH_BYTES,
+                                                dtype=torch.int8, device=dev)
+    _cache_flush_buffers[dev].zero_()
+
+
+@dataclass(frozen=True)
+class PhysicalIdentity:
+    """What names a GPU outside torch, for libraries that count physical devices (NVML,
+    pymtml): torch's index differs from theirs under ``CUDA_VISIBLE_DEVICES`` /
+    ``MUSA_VISIBLE_DEVICES`` and under CUDA's default fastest-first order."""
+
+    uuid: Optional[str]  # 32 lowercase hex digits, no dashes or vendor prefix
+    pci_bus_id: Optional[str]  # "DDDDDDDD:BB:DD.0", as NVML formats busId
+
+
+def normalized_uuid(text: str) -> Optional[str]:
+    """The 32 hex digits of a UUID as torch ("6f7b...-...") or NVML ("GPU-6f7b...-...")
+    writes it, lowercase (the vendor prefixes hold no hex digit); None when ``text``
+    holds no UUID."""
+    digits = "".join(ch for ch in text.lower() if ch in "0123456789abcdef")
+    return digits if len(digits) == 32 else None
+
+
+def physical_identity(device: DeviceLike = None) -> PhysicalIdentity:
+    """The GPU's UUID and PCI bus id, from ``get_device_properties`` where the torch
+    build reports them (CUDA: ``uuid``; PCI fields where present)."""
+    dev = resolve(device)
+    if not is_gpu(dev):
+        raise ValueError(f"physical_identity: device must be a GPU, got {dev}")
+    props = device_module(dev).get_device_properties(dev)
+    uuid = getattr(props, "uuid", None)
+    bus = getattr(props, "pci_bus_id", None)
+    pci = None
+    if isinstance(bus, int):
+        pci = (f"{int(getattr(props, 'pci_domain_id', 0) or 0):08x}:{bus:02x}:"
+               f"{int(getattr(props, 'pci_device_id', 0) or 0):02x}.0").upper()
+    return PhysicalIdentity(normalized_uuid(str(uuid)) if uuid is not None else None, pci)
 
 
 def memory_allocated(device: DeviceLike = None) -> Optional[int]:

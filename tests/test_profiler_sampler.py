@@ -10,6 +10,7 @@ import torch
 
 psutil = pytest.importorskip("psutil")  # the Triton 3.2 test environment has only what kernels need
 
+from te_lab import device as devices
 from te_lab.profiler.sampler import UtilizationSampler
 
 THREAD_NAME = "te_lab-utilization-sampler"
@@ -101,8 +102,14 @@ def test_rejects_a_non_positive_interval():
         UtilizationSampler(torch.device("cpu"), interval_s=0)
 
 
+# Four physical GPUs as NVML lists them: (UUID as NVML writes it, PCI bus id).
+PHYSICAL_GPUS = [(f"GPU-{index}0000000-1111-2222-3333-44444444444{index}", f"00000000:{0x17 + index:02X}:00.0")
+                 for index in range(4)]
+
+
 def fake_nvml_library(fail_after_reads):
-    """An NVML-shaped module: a stand-in for the GPU, which this test machine lacks."""
+    """An NVML-shaped module over PHYSICAL_GPUS: a stand-in for the GPUs this test
+    machine lacks. A handle is the physical index."""
     library = types.ModuleType("fake_nvml")
     library.calls = []
     library.reads = 0
@@ -111,13 +118,23 @@ def fake_nvml_library(fail_after_reads):
         library.reads += 1
         if library.reads > fail_after_reads:
             raise OSError("driver went away")
-        return types.SimpleNamespace(gpu=37, memory=5)
+        return types.SimpleNamespace(gpu=37 + handle, memory=5)
 
     library.nvmlInit = lambda: library.calls.append("init")
     library.nvmlShutdown = lambda: library.calls.append("shutdown")
-    library.nvmlDeviceGetHandleByIndex = lambda index: library.calls.append(f"handle {index}")
+    library.nvmlDeviceGetCount = lambda: len(PHYSICAL_GPUS)
+    library.nvmlDeviceGetHandleByIndex = lambda index: index
+    library.nvmlDeviceGetUUID = lambda handle: PHYSICAL_GPUS[handle][0]
+    # older bindings return bytes
+    library.nvmlDeviceGetPciInfo = lambda handle: types.SimpleNamespace(busId=PHYSICAL_GPUS[handle][1].encode())
     library.nvmlDeviceGetUtilizationRates = nvmlDeviceGetUtilizationRates
     return library
+
+
+def torch_sees(monkeypatch, uuid=None, pci_bus_id=None):
+    """What torch's device properties report for the sampled device."""
+    identity = devices.PhysicalIdentity(devices.normalized_uuid(uuid) if uuid else None, pci_bus_id)
+    monkeypatch.setattr(devices, "physical_identity", lambda device: identity)
 
 
 @pytest.mark.parametrize(
@@ -132,18 +149,48 @@ def fake_nvml_library(fail_after_reads):
 def test_gpu_library_is_sampled_beside_the_cores(monkeypatch, device, module, source, label):
     library = fake_nvml_library(fail_after_reads=10**6)
     monkeypatch.setitem(sys.modules, module, library)
+    # torch's device is physical GPU 3 (CUDA_VISIBLE_DEVICES=3,...): its UUID as torch writes it
+    torch_sees(monkeypatch, uuid="30000000-1111-2222-3333-444444444443")
     with UtilizationSampler(device) as sampler:
         busy_for(0.05)
     (gpu,) = [s for s in sampler.series if s.source == source]
     assert gpu.labels == [label]
-    assert gpu.values[0] == [37.0]
-    assert library.calls == ["init", f"handle {device.index or 0}", "shutdown"]
+    assert gpu.values[0] == [37.0 + 3]
+    assert library.calls == ["init", "shutdown"]
     assert sampler.unavailable == []
+
+
+def test_gpu_handle_is_found_by_pci_bus_id_where_torch_reports_no_uuid(monkeypatch):
+    library = fake_nvml_library(fail_after_reads=10**6)
+    monkeypatch.setitem(sys.modules, "pynvml", library)
+    torch_sees(monkeypatch, pci_bus_id="00000000:19:00.0")  # physical GPU 2, whatever torch's index
+    with UtilizationSampler(torch.device("cuda", 0)) as sampler:
+        busy_for(0.02)
+    (gpu,) = [s for s in sampler.series if s.source == "nvml"]
+    assert gpu.values[0] == [37.0 + 2]
+
+
+@pytest.mark.parametrize("identity, reason", [
+    ({}, "nvml: torch reports neither a UUID nor a PCI bus id for cuda:1, so its pynvml device cannot be told "
+         "apart from the others"),
+    ({"uuid": "ffffffff-1111-2222-3333-444444444444"},
+     "nvml: no pynvml device has cuda:1's UUID ffffffff111122223333444444444444 or PCI bus id None"),
+])
+def test_gpu_library_is_not_sampled_when_the_device_cannot_be_matched(monkeypatch, identity, reason):
+    library = fake_nvml_library(fail_after_reads=10**6)
+    monkeypatch.setitem(sys.modules, "pynvml", library)
+    torch_sees(monkeypatch, **identity)
+    with UtilizationSampler(torch.device("cuda", 1)) as sampler:
+        pass
+    assert sampler.unavailable == [reason]
+    assert [s.source for s in sampler.series] == ["psutil"]
+    assert library.calls == ["init", "shutdown"]
 
 
 def test_a_failing_gpu_library_is_reported_and_the_cores_carry_on(monkeypatch):
     library = fake_nvml_library(fail_after_reads=1)
     monkeypatch.setitem(sys.modules, "pynvml", library)
+    torch_sees(monkeypatch, uuid=PHYSICAL_GPUS[0][0])
     with UtilizationSampler(torch.device("cuda"), interval_s=0.01) as sampler:
         busy_for(0.1)
     (gpu,) = [s for s in sampler.series if s.source == "nvml"]

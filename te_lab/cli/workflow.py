@@ -61,7 +61,7 @@ def fuse_and_profile(args: argparse.Namespace) -> int:
     _stage(3, f"profiling eager against fused: {args.warmup} warm-up + {args.steps} timed steps per mode, "
               f"interleaved, then profiled steps")
     report = te_lab.profile(model, batch, steps=args.steps, warmup=args.warmup,
-                            progress=_progress_bar("te_lab.profile"))
+                            progress=_progress_bar("te_lab.profile"), trace_dir=args.trace_dir)
     print(report.summary(), flush=True)
 
     _stage(4, "writing the reports")
@@ -70,8 +70,11 @@ def fuse_and_profile(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(report.to_json(indent=1), encoding="utf-8")
         print(f"      ProfileReport as JSON: {args.json} (te_lab.ProfileReport.from_json reads it back)")
-    if args.html is None and args.json is None:
-        print("      nothing to write (--html PATH, --json PATH)")
+    if args.trace_dir is not None:
+        written = sorted(args.trace_dir.glob("*.pt.trace.json.gz"))
+        print(f"      raw profiler traces: {len(written)} files in {args.trace_dir} (te_lab.open_trace reads them)")
+    if args.html is None and args.json is None and args.trace_dir is None:
+        print("      nothing to write (--html PATH, --json PATH, --trace-dir DIR)")
     if fusion.model_check is not None and not fusion.model_check.within_tolerance:
         print("te-lab: the fused model's output is outside the dtype's tolerance of the original's "
               "(see 'whole model on the sample' above)", file=sys.stderr)

@@ -14,10 +14,18 @@ bytes moved and FLOPs, and the timeline.
 - *Launches* are the ops the framework dispatches: on the CPU, every op not nested in
   another op; on GPUs, the device kernels under them. An op's time is its host time on
   the CPU and its kernels' device time (``device_time_total``) on GPUs.
+- A GPU trace with no device activity at all (CUPTI or MUPTI unavailable, or the device
+  activity not requested) falls back to the CPU's figures, host times, and says so in
+  ``StepTrace.notes``: zero device time per module would be wrong, not missing.
 - The timeline holds the top-level ops per thread on the CPU, the kernels per stream
-  on GPUs.
+  on GPUs; a kernel belongs to the top-level op over the CPU op it is linked to (its
+  linked correlation id), else to the op whose host interval holds its launch.
+- Kineto's CPU ops are keyed by their correlation id only among the events whose linked
+  correlation id is 0: runtime calls and kernels carry CUPTI's / MUPTI's ids there,
+  which may equal a CPU op's.
 - Bytes and FLOPs sum :func:`te_lab.profiler.estimates.op_cost` over the ops that do
-  the work: te_lab's ops as a whole, and aten ops with no ops inside them, except views.
+  the work: te_lab's ops and ops with a cost rule of their own (GEMMs, copies,
+  reductions) as a whole, and other aten ops with no ops but views inside them.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from torch.autograd import DeviceType
 
 from .communication import communication_ns
 from .device_kernels import device_kernels
-from .estimates import op_cost
+from .estimates import has_rule, op_cost
+from .kineto import live_activities
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Region, TimelineEvent
 
@@ -67,6 +76,7 @@ class StepTrace:
     kernels: list = field(default_factory=list)  # DeviceKernel, on GPUs
     communication_us: float = 0.0  # while collectives ran (te_lab.profiler.communication)
     collectives: int = 0
+    notes: list = field(default_factory=list)  # what the report should say about how this was measured
 
 
 def _ancestors(event):
@@ -81,11 +91,14 @@ def _kernels_under(event) -> int:
 
 
 def _cost_events(event):
-    """The ops under (and including) a top-level op that do its work."""
-    if event.name.startswith("te_lab::"):
+    """The ops under (and including) a top-level op that do its work: an op with a cost
+    rule of its own (te_lab's ops, GEMMs, copies, reductions) as a whole, else the ops
+    inside it, views left out (``aten::mm`` calls ``aten::resolve_conj`` on its operands,
+    and ``aten::addmm`` copies its bias into the output first: neither is the GEMM)."""
+    if event.name.startswith("te_lab::") or has_rule(event.name):
         yield event
         return
-    children = [child for child in event.cpu_children if _is_op(child)]
+    children = [child for child in event.cpu_children if _is_op(child) and child.name not in VIEW_OPS]
     if not children:
         if event.name not in VIEW_OPS:
             yield event
@@ -94,10 +107,26 @@ def _cost_events(event):
         yield from _cost_events(child)
 
 
+NO_DEVICE_ACTIVITY_NOTE = ("{mode}: the GPU trace holds no device activity (CUPTI / MUPTI unavailable, or not "
+                           "recorded), so module times are the ops' host times and launches count top-level ops, "
+                           "as on the CPU")
+
+
+def host_ops_by_id(events) -> dict[int, object]:
+    """Kineto's CPU ops by their correlation id: the frontend events (linked correlation
+    id 0), as torch's parser keys them; runtime calls and device activity are left out."""
+    return {e.correlation_id(): e for e in events
+            if e.device_type() == DeviceType.CPU and e.linked_correlation_id() == 0}
+
+
 def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> StepTrace:
     events = [e for e in profiler.events() if e.device_type == DeviceType.CPU]
-    kineto = {e.correlation_id(): e for e in profiler.profiler.kineto_results.events()}
+    kineto = host_ops_by_id(profiler.profiler.kineto_results.events())
     trace = StepTrace()
+    activities = live_activities(profiler.profiler.kineto_results.trace_activities()) if on_gpu else []
+    if on_gpu and not any(activity.on_device for activity in activities):
+        on_gpu = False
+        trace.notes.append(NO_DEVICE_ACTIVITY_NOTE.format(mode=mode))
 
     def region_of(event) -> Optional[str]:
         for ancestor in _ancestors(event):
@@ -130,7 +159,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     if not top_level:
         return trace
     start = min(e.time_range.start for e in top_level)
-    host_ops: list[HostOp] = []  # on GPUs: the window each top-level op launched kernels in
+    host_ops: dict[int, HostOp] = {}  # on GPUs, by event id: the window each top-level op launched kernels in
     for event in top_level:
         key, phase = key_and_phase(event)
         launches = _kernels_under(event) if on_gpu else 1
@@ -140,7 +169,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         trace.op_us += duration_us
         recorded = kineto.get(event.id)
         if on_gpu and recorded is not None:
-            host_ops.append(HostOp(recorded.start_ns(), recorded.end_ns(), key or "", phase))
+            host_ops[event.id] = HostOp(recorded.start_ns(), recorded.end_ns(), key or "", phase)
         if not on_gpu:
             shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
@@ -163,17 +192,34 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             region.flops += cost.flops
     trace.peak_memory_bytes = peak_live_bytes(profiler)
     if on_gpu:
-        trace.kernels = device_kernels(profiler.profiler.kineto_results.trace_activities())
+        trace.kernels = device_kernels(activities)
         first = min((k.start_ns for k in trace.kernels), default=0)
-        trace.timeline, launches_from = [], LaunchIndex(host_ops)
+        trace.timeline, launches_from = [], LaunchIndex(list(host_ops.values()))
+        top_level_op = _top_level_host_ops(events, host_ops)
         for kernel in trace.kernels:
-            launcher = launches_from.launcher(kernel.launched_ns)
+            launcher = (kernel.op_id and top_level_op.get(kernel.op_id)) or launches_from.launcher(kernel.launched_ns)
             trace.timeline.append(TimelineEvent(
                 mode, kernel.name, (kernel.start_ns - first) / 1e3, kernel.duration_ns / 1e3,
                 f"stream {kernel.stream}", launcher.path if launcher else "", launcher.phase if launcher else ""))
     communication, trace.collectives = communication_ns(events, trace.kernels)
     trace.communication_us = communication / 1e3
     return trace
+
+
+def _top_level_host_ops(events, host_ops: dict[int, "HostOp"]) -> dict[int, "HostOp"]:
+    """Every CPU op's id -> the HostOp of the top-level op it runs in (itself included).
+    Runtime calls are left out: their ids are the runtime's correlation ids."""
+    found = {}
+    for event in events:
+        if getattr(event, "linked_correlation_id", 0):
+            continue
+        outermost = event
+        for ancestor in _ancestors(event):
+            if _is_op(ancestor):
+                outermost = ancestor
+        if outermost.id in host_ops:
+            found[event.id] = host_ops[outermost.id]
+    return found
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,12 @@ from __future__ import annotations
 from .device_kernels import union_ns
 
 GLOO_EVENT_PREFIX = "gloo:"
-COLLECTIVE_KERNEL_PREFIXES = ("nccl", "mccl")
 
 
 def communication_ns(events, kernels) -> tuple[int, int]:
     """(ns during which collectives ran, how many ran) in a step: ``events`` are the
     profiler's CPU events, ``kernels`` the step's device kernels (on GPUs)."""
-    intervals = [(kernel.start_ns, kernel.end_ns) for kernel in kernels
-                 if kernel.name.startswith(COLLECTIVE_KERNEL_PREFIXES)]
+    intervals = [(kernel.start_ns, kernel.end_ns) for kernel in kernels if kernel.is_collective]
     intervals += [(round(event.time_range.start * 1e3), round(event.time_range.end * 1e3)) for event in events
                   if event.name.startswith(GLOO_EVENT_PREFIX)]
     return union_ns(sorted(intervals)), len(intervals)

@@ -44,9 +44,9 @@ from te_lab.kernels import use_backend
 from te_lab.options import check_steps, check_warmup
 from te_lab.surgery import fusions, is_fused, unfused
 
-from . import compiles, correction, regions
+from . import compiles, correction, regions, trace_files
 from .attribution import attribute
-from .device_kernels import achieved_occupancy, busy_ns, idle_split_ns, sm_efficiency
+from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .report import (OTHER_KEY, Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region,
                      RooflinePoint, Totals)
@@ -242,8 +242,11 @@ def _environment(device: torch.device, target, inputs, description: str) -> Envi
 
 
 def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: bool = True,
-            device=None, progress: Optional[Callable[[int, int], None]] = None) -> ProfileReport:
+            device=None, progress: Optional[Callable[[int, int], None]] = None, trace_dir=None) -> ProfileReport:
     """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport.
+
+    ``trace_dir``: a directory that receives every profiled step's raw trace
+    (:mod:`te_lab.profiler.trace_files`), for :func:`te_lab.open_trace` elsewhere.
 
     ``progress(done, total)`` is called after every step (for progress bars). To measure
     again with the same arguments (the dashboard's Re-run), keep a
@@ -256,19 +259,20 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
                          "target requires grad and inputs hold no floating-point tensor; pass backward=False to "
                          "profile the forward only")
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
-    report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup, backward,
-                      progress)
+    with trace_files.writing_to(trace_dir):
+        report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup,
+                          backward, progress)
     return report
 
 
 def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, warmup: int = 2,
                       backward: bool = True, device=None,
-                      progress: Optional[Callable[[int, int], None]] = None) -> ProfileReport:
+                      progress: Optional[Callable[[int, int], None]] = None, trace_dir=None) -> ProfileReport:
     """Profile code that uses fused models (what ``%te_profile`` runs): "eager" runs
     ``run()`` with every model in ``models`` (name -> fused model) inside
     ``te_lab.unfused``, "fused" as they are. Module keys are the models' module paths,
     prefixed by the model's name when there are several. With ``backward``, the value
-    ``run()`` returns is differentiated as in :func:`profile`."""
+    ``run()`` returns is differentiated as in :func:`profile`; ``trace_dir`` as there."""
     _check_counts(steps, warmup, "te_lab.profile_statement")
     if not models:
         raise ValueError("te_lab.profile_statement: models is empty; fuse a model first (te_lab.fuse)")
@@ -303,8 +307,9 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     versions = [(p, p._version) for model in models.values() for p in model.parameters()]
-    report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
-                      backward, progress)
+    with trace_files.writing_to(trace_dir):
+        report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
+                          backward, progress)
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
         message = (f"te_lab.profile_statement: the statement changed {changed} of the models' parameters in place "
@@ -377,6 +382,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     report.utilization_series = [vars(series) for series in sampler.series]
     report.utilization_marks = list(sampler.marks)
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
+    report.notes += [note for mode in modes for note in traces[mode.name].trace.notes]
     return report
 
 
@@ -404,6 +410,7 @@ def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profil
             with torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=True,
                                         with_flops=True, profile_memory=True) as profiler:
                 wall_ms = _timed_step(mode, backward, device)[0]
+            trace_files.export(profiler, mode.name)
             trace = attribute(profiler, mode.name, LOSS_KEY, devices.is_gpu(device))
     if devices.is_gpu(device):
         return _Profiled(trace, wall_ms, devices.max_memory_allocated(device) - before, "allocator peak above the "
@@ -508,25 +515,9 @@ def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
 
 def _device_figures(mode: str, profiled: _Profiled, multiprocessors: int) -> list[Figure]:
     kernels = profiled.trace.kernels
-    wall_ns = int(profiled.wall_ms * 1e6)
-    if not kernels or wall_ns <= 0:
-        return [Figure("device busy", mode, None, "fraction", "union of kernel intervals / step wall time",
-                       "the trace holds no device kernels")]
-    start = kernels[0].start_ns
-    figures = [
-        Figure("device busy", mode, min(busy_ns(kernels) / wall_ns, 1.0), "fraction",
-               "union of kernel intervals / profiled step wall time"),
-        Figure("estimated SM efficiency", mode, sm_efficiency(kernels, multiprocessors, wall_ns), "fraction",
-               f"sum over kernels of min(blocks / {multiprocessors} multiprocessors, 1) x duration / wall time"),
-        Figure("achieved occupancy", mode, achieved_occupancy(kernels), "fraction",
-               "CUPTI's est. achieved occupancy, duration-weighted over kernels"),
-    ]
-    split = idle_split_ns(kernels, start, start + wall_ns)
-    for index, what in enumerate(("waiting on host", "other")):
-        figures.append(Figure(f"device idle: {what}", mode, None if split is None else split[index] / wall_ns,
-                              "fraction", "gaps between kernels before (waiting on host) / after the launching "
-                              "host call began, over the step wall time"))
-    return figures
+    start = kernels[0].start_ns if kernels else 0
+    return device_figures(kernels, start, start + int(profiled.wall_ms * 1e6), multiprocessors, mode,
+                          "the profiled step's wall time from its first device activity")
 
 
 def _utilization(report: ProfileReport, samples: dict, sampler, traces: dict, device: torch.device) -> None:

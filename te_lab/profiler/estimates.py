@@ -409,6 +409,12 @@ _ESTIMATES: dict[str, Callable[[list], Optional[_Estimate]]] = {
 }
 
 
+def has_rule(name: str) -> bool:
+    """Whether ``name`` has a cost rule of its own (a GEMM, a copy, a reduction, te_lab's
+    ops), so its cost is not the sum of the ops it calls."""
+    return name in _ESTIMATES
+
+
 def op_cost(name: str, shapes: list[list[int]], dtypes: list[str], profiler_flops: int = 0) -> OpCost:
     """Estimated bytes read and written and FLOPs of one op event, from its recorded name,
     input shapes and dtypes; ``profiler_flops`` (torch's count, where > 0) wins over ours.

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from te_lab import device as devices
+
 
 @dataclass
 class UtilizationSeries:
@@ -99,8 +101,8 @@ class _NvmlStyleGpu(_Source):
         self.name = name
         self._module = module
         self._package = package
-        self._index = device.index or 0
-        self.labels = [f"{device.type}:{self._index}"]
+        self._device = device
+        self.labels = [f"{device.type}:{device.index or 0}"]
         self.formula = (
             f"{module}.nvmlDeviceGetUtilizationRates(handle).gpu: percent of the driver's "
             "last sample period in which a kernel ran on the device"
@@ -113,18 +115,52 @@ class _NvmlStyleGpu(_Source):
             raise _SourceUnavailable(f"{self._package} is not installed") from error
         self._library.nvmlInit()
         try:
-            # The library counts physical devices; this index is torch's, which
-            # differs where CUDA_VISIBLE_DEVICES / MUSA_VISIBLE_DEVICES reorder them.
-            self._handle = self._library.nvmlDeviceGetHandleByIndex(self._index)
+            self._handle = self._matching_handle(devices.physical_identity(self._device))
         except Exception:
             self._library.nvmlShutdown()
             raise
+
+    def _matching_handle(self, identity: "devices.PhysicalIdentity"):
+        """The library's handle for torch's device, found by UUID, else by PCI bus id: the
+        library counts physical devices, and torch's index is not theirs where
+        CUDA_VISIBLE_DEVICES / MUSA_VISIBLE_DEVICES select or reorder devices (or CUDA
+        orders them fastest first)."""
+        label = self.labels[0]
+        if identity.uuid is None and identity.pci_bus_id is None:
+            raise _SourceUnavailable(f"torch reports neither a UUID nor a PCI bus id for {label}, so its "
+                                     f"{self._module} device cannot be told apart from the others")
+        library = self._library
+        for index in range(library.nvmlDeviceGetCount()):
+            handle = library.nvmlDeviceGetHandleByIndex(index)
+            if identity.uuid is not None and devices.normalized_uuid(_text(library.nvmlDeviceGetUUID(handle))) \
+                    == identity.uuid:
+                return handle
+            if identity.pci_bus_id is not None and _pci_address(_text(library.nvmlDeviceGetPciInfo(handle).busId)) \
+                    == _pci_address(identity.pci_bus_id):
+                return handle
+        raise _SourceUnavailable(f"no {self._module} device has {label}'s UUID {identity.uuid} or PCI bus id "
+                                 f"{identity.pci_bus_id}")
 
     def read(self) -> list[float]:
         return [float(self._library.nvmlDeviceGetUtilizationRates(self._handle).gpu)]
 
     def close(self) -> None:
         self._library.nvmlShutdown()
+
+
+def _text(value) -> str:
+    """NVML's strings: ``str`` in nvidia-ml-py, ``bytes`` in older bindings."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pci_address(text: str) -> Optional[tuple[int, ...]]:
+    """(domain, bus, device, function) of "0000:17:00.0" or "00000000:17:00.0"."""
+    try:
+        domain, bus, rest = text.strip().split(":")
+        slot, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(slot, 16), int(function, 16)
+    except ValueError:
+        return None
 
 
 # device type -> (source name, module to import, package that provides it)

@@ -1,0 +1,108 @@
+"""attribute() on real CPU profiles, with the device side a GPU trace would add injected:
+Kineto's runtime and kernel ids must not be mistaken for CPU ops' ids, device activity is
+linked to its CPU op through the linked correlation id, and a GPU trace without device
+activity falls back to host times and says so."""
+
+import types
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import record_function
+
+from te_lab.profiler.attribution import NO_DEVICE_ACTIVITY_NOTE, attribute
+from te_lab.profiler.regions import PREFIX
+
+
+def profiled_ops():
+    """A profile with two module regions: "block" (a linear: aten::addmm nested in
+    aten::linear) and "mm" (one aten::mm, nothing under it)."""
+    x, weight, bias, other = torch.randn(32, 64), torch.randn(48, 64), torch.randn(48), torch.randn(64, 48)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True,
+                                with_flops=True, profile_memory=True) as profiler:
+        with record_function(PREFIX + "block"):
+            torch.nn.functional.linear(x, weight, bias)
+        with record_function(PREFIX + "mm"):
+            torch.mm(x, other)
+    return profiler
+
+
+class Injected:
+    """A finished profiler with extra Kineto events and activities, as a GPU run adds them."""
+
+    def __init__(self, real, events=(), activities=()):
+        results = real.profiler.kineto_results
+        self._real = real
+        self.profiler = types.SimpleNamespace(kineto_results=types.SimpleNamespace(
+            events=lambda: list(results.events()) + list(events),
+            trace_activities=lambda: list(results.trace_activities()) + list(activities)))
+
+    def events(self):
+        return self._real.events()
+
+
+def kineto_event(correlation, linked, shapes):
+    """A runtime call as Kineto records it on the host: a CPU-side event whose correlation
+    id is the runtime's (here equal to a CPU op's) and whose linked id names its op."""
+    return types.SimpleNamespace(
+        correlation_id=lambda: correlation, linked_correlation_id=lambda: linked, device_type=lambda: DeviceType.CPU,
+        name=lambda: "cudaLaunchKernel", shapes=lambda: shapes, dtypes=lambda: ["float"] * len(shapes),
+        flops=lambda: 0, start_ns=lambda: 0, end_ns=lambda: 1)
+
+
+def live_activity(kind, name, start, duration, correlation, linked):
+    values = dict(type=kind, name=name, timestamp=start, duration=duration, correlation_id=correlation,
+                  linked_correlation_id=linked, device_id=0, resource_id=7, metadata_json="")
+    return types.SimpleNamespace(**{key: (lambda value=value: value) for key, value in values.items()})
+
+
+def op_id(profiler, name):
+    (event,) = [e for e in profiler.events() if e.name == name]
+    return event.id
+
+
+def test_a_runtime_id_equal_to_a_cpu_op_id_does_not_replace_that_op():
+    profiler = profiled_ops()
+    clean = attribute(profiler, "eager", None, on_gpu=False).regions["mm"]
+    mm = op_id(profiler, "aten::mm")
+    # Keyed by correlation id over every event, the runtime call's shapes would be the mm's.
+    colliding = kineto_event(mm, linked=mm + 1000, shapes=[[4096, 4096], [4096, 4096]])
+    injected = attribute(Injected(profiler, events=[colliding]), "eager", None, on_gpu=False).regions["mm"]
+    assert (injected.bytes_moved, injected.flops) == (clean.bytes_moved, clean.flops)
+    # [32, 64] @ [64, 48] in float32: reads both, writes [32, 48]
+    assert clean.bytes_moved == 4 * (32 * 64 + 64 * 48 + 32 * 48)
+    assert clean.flops == 2 * 32 * 64 * 48
+
+
+def test_a_gemm_counts_as_a_whole_not_as_the_views_and_copies_inside_it():
+    regions = attribute(profiled_ops(), "eager", None, on_gpu=False).regions
+    # aten::linear -> aten::addmm, which calls resolve_conj and copies the bias into y first:
+    # the GEMM's cost is bias, x and W read, y written
+    assert regions["block"].bytes_moved == 4 * (48 + 32 * 64 + 48 * 64 + 32 * 48)
+    assert regions["block"].flops == 2 * 32 * 64 * 48
+
+
+def test_a_kernel_belongs_to_the_top_level_op_over_the_op_it_is_linked_to():
+    profiler = profiled_ops()
+    addmm = op_id(profiler, "aten::addmm")
+    # Launched at time 0, outside every op's host interval: only the linked id can place it.
+    device_side = [live_activity("cuda_runtime", "cudaLaunchKernel", 0, 5, 77, addmm),
+                   live_activity("kernel", "ampere_sgemm_32x32", 10, 100, 77, addmm)]
+    trace = attribute(Injected(profiler, activities=device_side), "fused", None, on_gpu=True)
+    (kernel,) = trace.timeline  # the only device activity
+    assert (kernel.name, kernel.lane, kernel.path, kernel.phase) == ("ampere_sgemm_32x32", "stream 7", "block",
+                                                                      "forward")
+    assert trace.notes == []
+    assert [k.op_id for k in trace.kernels] == [addmm]
+
+
+def test_a_gpu_trace_without_device_activity_falls_back_to_host_times_and_says_so():
+    profiler = profiled_ops()
+    on_cpu = attribute(profiler, "fused", None, on_gpu=False)
+    fallback = attribute(profiler, "fused", None, on_gpu=True)
+    assert fallback.notes == [NO_DEVICE_ACTIVITY_NOTE.format(mode="fused")]
+    block = fallback.regions["block"]
+    assert block.forward_ms == pytest.approx(on_cpu.regions["block"].forward_ms) and block.forward_ms > 0
+    assert block.launches == on_cpu.regions["block"].launches == 1
+    assert [e.lane for e in fallback.timeline] == [e.lane for e in on_cpu.timeline] != []
+    assert fallback.kernels == []
