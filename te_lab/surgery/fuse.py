@@ -264,7 +264,11 @@ class _Fuser:
         captured = self.captured.get(candidate.path)
         if captured is not None:
             return (match.complete_inputs(captured) if match.complete_inputs else captured), "sample"
-        return match.example_inputs(), "synthesized"
+        return self._synthesized(match), "synthesized"
+
+    def _synthesized(self, match: Match) -> ProbeInputs:
+        with quiet_state([], self.device):  # a rule's random inputs leave the caller's RNG streams alone
+            return match.example_inputs()
 
     def _try_match(self, candidate: Candidate, rule: FusionRule, match: Match, reasons: list):
         module = candidate.module
@@ -292,7 +296,7 @@ class _Fuser:
             if self.verify:
                 result = self._probe(module, original, twin, inputs, match)
                 if result.inconclusive and source == "sample":
-                    fallback, probed = result.inconclusive, match.example_inputs()
+                    fallback, probed = result.inconclusive, self._synthesized(match)
                     result = self._probe(module, original, twin, probed, match)
             if result is not None and not result.passed:
                 reasons.append(result.reason + (" (on synthesized inputs, after the sample's probe was "
