@@ -1,6 +1,13 @@
 """Interleaved timing of contenders, as DESIGN.md asks: warm up, run A B C A B C ...,
 report medians and ratios, never one absolute time. The first call of each contender
-is timed on its own (it includes torch.compile's and Inductor's compile waits)."""
+is timed on its own (it includes torch.compile's and Inductor's compile waits).
+
+On GPUs (:data:`GPU_SAMPLING`) each sample is one pair of device events around several
+calls, its time the pair's over the calls (a single short kernel is near the events'
+resolution and launch cost), and the L2 cache is flushed before each sample
+(:func:`te_lab.device.flush_cache`: a 16 MB tensor fits in an H200's 60 MB L2), so a
+sample's first call reads its inputs from memory; the calls after it find what the one
+before left in L2, as back-to-back calls in a model do."""
 
 from __future__ import annotations
 
@@ -18,6 +25,29 @@ from te_lab.profiler.attribution import peak_live_bytes
 
 def _nothing() -> None:
     return None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each timed sample is taken: ``calls`` calls between one pair of timer
+    readings (the sample is their mean), after an L2 flush when ``flush_cache``."""
+
+    calls: int = 1
+    flush_cache: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.calls, int) or self.calls < 1:
+            raise ValueError(f"Sampling(calls={self.calls!r}): expected a positive integer")
+
+
+ONE_CALL = Sampling()
+GPU_SAMPLING = Sampling(calls=10, flush_cache=True)
+
+
+def op_sampling(device: torch.device) -> Sampling:
+    """The sampling of per-op benchmarks on ``device``: GPU_SAMPLING on GPUs, one call
+    per sample on the CPU (whose timer resolution is far below an op's time)."""
+    return GPU_SAMPLING if devices.is_gpu(device) else ONE_CALL
 
 
 @dataclass
@@ -58,16 +88,22 @@ class Timing:
         return (quartiles[2] - quartiles[0]) / 2
 
 
-def timed_call(contender: Contender, device: torch.device) -> tuple[float, object]:
-    """(milliseconds, output) of one call of ``contender.step``; ``before``, ``after`` and
-    the context stay outside the timer."""
+def timed_call(contender: Contender, device: torch.device, sampling: Sampling = ONE_CALL) -> tuple[float, object]:
+    """(milliseconds per call, last output) of ``sampling.calls`` calls of
+    ``contender.step`` timed together; ``before`` (once per call, all first), the cache
+    flush, ``after`` and the context stay outside the timer."""
     with contender.context():
-        contender.before()
+        for _ in range(sampling.calls):
+            contender.before()
+        if sampling.flush_cache:
+            devices.flush_cache(device)
         devices.synchronize(device)
         with devices.Timer(device) as timer:
-            output = contender.step()
-        contender.after()
-    return timer.elapsed_ms, output
+            for _ in range(sampling.calls):
+                output = contender.step()
+        for _ in range(sampling.calls):
+            contender.after()
+    return timer.elapsed_ms / sampling.calls, output
 
 
 def describe_error(error: BaseException) -> str:
@@ -79,10 +115,12 @@ def describe_error(error: BaseException) -> str:
 
 def interleaved(contenders: list[Contender], device: torch.device, *, rounds: int, warmup: int,
                 progress: Callable[[str], None] = lambda _: None,
-                keep_first_outputs: bool = False) -> tuple[dict[str, Timing], dict[str, object]]:
+                keep_first_outputs: bool = False,
+                sampling: Sampling = ONE_CALL) -> tuple[dict[str, Timing], dict[str, object]]:
     """Time each contender ``rounds`` times, interleaved, after ``warmup`` untimed calls
-    each. The order rotates every round so no contender always runs first. A contender
-    whose first call raises is kept with its error and left out of the rounds.
+    each; each round's sample is taken as ``sampling`` says. The order rotates every
+    round so no contender always runs first. A contender whose first call raises is kept
+    with its error and left out of the rounds.
 
     Returns the timings and, with ``keep_first_outputs``, each contender's first output
     (other outputs are dropped at once, so no call runs while the previous one's
@@ -107,7 +145,7 @@ def interleaved(contenders: list[Contender], device: torch.device, *, rounds: in
         progress(f"round {round_index + 1}/{rounds}")
         shift = round_index % max(len(running), 1)
         for contender in running[shift:] + running[:shift]:
-            timings[contender.name].samples_ms.append(timed_call(contender, device)[0])
+            timings[contender.name].samples_ms.append(timed_call(contender, device, sampling)[0])
     return timings, first_outputs
 
 

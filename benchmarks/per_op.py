@@ -21,7 +21,7 @@ from te_lab.kernels import FusedAdamW, available_backends, registered_ops, selec
 from te_lab.kernels.registry import aten_kernel_exists
 
 from .cases import OpCase, Size, adamw_bytes, adamw_parameters, op_cases
-from .harness import Contender, Timing, interleaved, op_contender, peak_memory_bytes, upstream_gradients
+from .harness import Contender, Timing, interleaved, op_contender, op_sampling, peak_memory_bytes, upstream_gradients
 from .stats import speedup
 
 OP_MODES = ("forward", "backward", "forward+backward")
@@ -134,7 +134,8 @@ def speedup_records(timings: dict[str, Timing], infos: dict[str, ContenderInfo])
 
 def measure(contenders: list[Contender], infos: dict[str, ContenderInfo], device: torch.device, *,
             bytes_moved: int, flops: Optional[int], ceilings: dict, rounds: int, warmup: int, progress) -> dict:
-    timings, _ = interleaved(contenders, device, rounds=rounds, warmup=warmup, progress=progress)
+    timings, _ = interleaved(contenders, device, rounds=rounds, warmup=warmup, progress=progress,
+                             sampling=op_sampling(device))
     records = []
     for contender in contenders:
         timing = timings[contender.name]

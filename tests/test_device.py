@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -315,3 +316,102 @@ def test_only_the_device_layer_knows_about_cuda():
 def test_the_device_layer_does_not_call_torch_accelerator_synchronize():
     source = (REPO / "te_lab" / "device.py").read_text(encoding="utf-8")
     assert not re.search(r"accelerator\.synchronize\s*\(", source)
+
+
+# ---- GPU services, against a stand-in device module (this machine has no GPU) ------------
+
+class FakeEvent:
+    def __init__(self, log, enable_timing):
+        self.log, self.recorded_on = log, None
+
+    def record(self, stream=None):
+        self.recorded_on = stream
+        self.log.append(("record", stream))
+
+    def synchronize(self):
+        self.log.append(("synchronize",))
+
+    def elapsed_time(self, end):
+        return 2.5
+
+
+class FakeGpuModule:
+    """``torch.cuda`` as te_lab's device layer calls it, for two GPUs; cuda:0 is current."""
+
+    def __init__(self, properties=None):
+        self.log, self.properties = [], properties or {}
+        self.Event = lambda enable_timing=False: FakeEvent(self.log, enable_timing)
+
+    def current_stream(self, device=None):
+        # torch's current_stream(None) is the *current device's* stream
+        return f"current stream of {device if device is not None else 'cuda:0'}"
+
+    def get_device_properties(self, device):
+        return types.SimpleNamespace(**self.properties)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """cuda:1 on a stand-in module; returns the module."""
+    module = FakeGpuModule()
+    monkeypatch.setattr(devices, "resolve", lambda device=None: torch.device("cuda", 1))
+    monkeypatch.setattr(devices, "device_module", lambda device: module)
+    return module
+
+
+def test_gpu_timer_records_on_the_timed_devices_current_stream(gpu):
+    with devices.Timer("cuda:1") as timer:
+        pass
+    cuda1 = torch.device("cuda", 1)
+    assert gpu.log == [("record", f"current stream of {cuda1}"), ("record", f"current stream of {cuda1}"),
+                       ("synchronize",)]
+    assert timer.elapsed_ms == 2.5
+
+
+@pytest.mark.parametrize("properties, expected", [
+    ({"L2_cache_size": 60 * 2**20}, 120 * 2**20),  # twice the L2 (H200: 60 MB)
+    ({}, devices.DEFAULT_CACHE_FLUSH_BYTES),  # a build whose properties do not say
+])
+def test_flush_cache_overwrites_a_buffer_larger_than_the_l2(gpu, monkeypatch, properties, expected):
+    gpu.properties = properties
+    monkeypatch.setattr(devices, "_cache_flush_buffers", {})
+    allocated = []
+
+    def empty(size, dtype, device):
+        allocated.append((size, dtype, device))
+        return torch.ones(4, dtype=dtype)  # a stand-in for the device buffer
+
+    monkeypatch.setattr(devices.torch, "empty", empty)
+    devices.flush_cache("cuda:1")
+    devices.flush_cache("cuda:1")  # the buffer is kept and overwritten again
+    assert allocated == [(expected, torch.int8, torch.device("cuda", 1))]
+    assert devices._cache_flush_buffers[torch.device("cuda", 1)].eq(0).all()
+
+
+def test_flush_cache_and_cache_size_on_the_cpu():
+    assert devices.cache_size_bytes("cpu") is None
+    assert devices.flush_cache("cpu") is None
+
+
+@pytest.mark.parametrize("torch_uuid, nvml_uuid", [
+    ("6f7b3f1e-1d2c-4b5a-9e8f-0a1b2c3d4e5f", "GPU-6f7b3f1e-1d2c-4b5a-9e8f-0a1b2c3d4e5f"),
+    ("6F7B3F1E-1D2C-4B5A-9E8F-0A1B2C3D4E5F", "MIG-GPU-6f7b3f1e-1d2c-4b5a-9e8f-0a1b2c3d4e5f"),
+])
+def test_torch_and_nvml_spellings_of_a_uuid_normalize_alike(torch_uuid, nvml_uuid):
+    assert devices.normalized_uuid(torch_uuid) == devices.normalized_uuid(nvml_uuid) == \
+        "6f7b3f1e1d2c4b5a9e8f0a1b2c3d4e5f"
+    assert devices.normalized_uuid("not a uuid") is None
+
+
+def test_physical_identity_reads_uuid_and_pci_bus_id_from_the_device_properties(gpu):
+    gpu.properties = {"uuid": "6f7b3f1e-1d2c-4b5a-9e8f-0a1b2c3d4e5f", "pci_bus_id": 0x17, "pci_device_id": 0,
+                      "pci_domain_id": 0}
+    assert devices.physical_identity("cuda:1") == devices.PhysicalIdentity(
+        "6f7b3f1e1d2c4b5a9e8f0a1b2c3d4e5f", "00000000:17:00.0")
+    gpu.properties = {}
+    assert devices.physical_identity("cuda:1") == devices.PhysicalIdentity(None, None)
+
+
+def test_physical_identity_refuses_the_cpu():
+    with pytest.raises(ValueError, match="physical_identity: device must be a GPU, got cpu"):
+        devices.physical_identity("cpu")
