@@ -12,6 +12,8 @@
 #                        benchmarks/results-cpu.json and benchmarks/results-cpu.html
 #   make bench-gpu       the same on the GPU: benchmarks/RESULTS-gpu.md, results-gpu.*
 #   make bench-quick     the quick profile (minutes on a 2-core CPU), report on stdout
+#   make gpu-check       on a CUDA or MUSA GPU: every Triton kernel checked and timed, a bf16
+#                        training check and a profile with raw traces, into gpu-check/
 #
 # Set-up runs once: each environment keeps a stamp that is newer than pyproject.toml
 # while its install is current, so a second `make test` goes straight to pytest.
@@ -62,7 +64,7 @@ fi; \
 exit "$$status"
 endef
 
-.PHONY: test test-main test-triton32 clean-venvs bench bench-gpu bench-quick
+.PHONY: test test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
 
 test: test-main test-triton32
 
@@ -90,6 +92,9 @@ bench-gpu: $(VENV)/$(STAMP)
 
 bench-quick: $(VENV)/$(STAMP)
 	@$(BENCH) --quick
+
+gpu-check: $(VENV)/$(STAMP)
+	@$(VENV)/bin/te-lab gpu-check --out gpu-check
 
 # The environment that the machine's torch build stays in: a torch already in $(VENV)
 # (the user's, e.g. Moore Threads' torch + torch_musa, or a CUDA build) is kept; with

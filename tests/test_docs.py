@@ -50,7 +50,7 @@ def test_every_te_lab_name_exists(document):
 def test_every_command_target_and_magic_exists(document):
     text = text_of(document)
     commands = build_parser()._subparsers._group_actions[0].choices
-    assert set(re.findall(r"\bte-lab (\w+)", text)) <= set(commands)
+    assert set(re.findall(r"\bte-lab ([\w-]+)", text)) <= set(commands)
     targets = set(re.findall(r"^([\w-]+):", MAKEFILE, flags=re.MULTILINE))
     assert set(re.findall(r"`make ([\w-]+)", text)) <= targets
     assert set(re.findall(r"%%?(te_\w+)", text)) <= set(MAGIC_NAMES["line"]) | set(MAGIC_NAMES["cell"])

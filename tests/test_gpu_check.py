@@ -1,0 +1,93 @@
+"""The GPU check's CPU-side logic (this machine has no GPU): it refuses cleanly and writes
+nothing without one, checks exactly the ops that have a triton backend, keeps going past
+a case or a stage that raises, and writes its tables; FusedAdamW's Triton kernel check
+runs here through Triton's interpreter."""
+
+import json
+
+import pytest
+import torch
+
+from te_lab import device as devices
+from te_lab.benchmarks import gpu_check
+from te_lab.cli import main as te_lab_main
+from te_lab.kernels.registry import registered_ops
+
+
+@pytest.mark.parametrize("run", [lambda out: gpu_check.main(["--out", str(out)]),
+                                 lambda out: te_lab_main(["gpu-check", "--out", str(out)])],
+                         ids=["module", "te-lab gpu-check"])
+def test_without_a_gpu_it_refuses_and_writes_nothing(run, tmp_path, capsys):
+    if devices.is_gpu(devices.default_device()):
+        pytest.skip("this machine has a GPU: the check runs for real there")
+    assert run(tmp_path / "out") == 1
+    assert "gpu_check: no CUDA or MUSA GPU on this machine; nothing to check" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_it_checks_every_op_with_a_triton_backend_and_skips_those_without():
+    ops = gpu_check.triton_ops()
+    assert "linear" not in ops  # a oneDNN projection: no triton backend to force
+    assert all("triton" in registered_ops()[op].backends() for op in ops)
+    assert {"rms_norm", "glu", "rope", "attention", "cross_entropy", "fused_linear_cross_entropy"} <= set(ops)
+
+
+def test_a_case_that_raises_is_a_row_and_the_next_cases_run(monkeypatch):
+    checked = []
+
+    def check_case(case):
+        checked.append(case.name)
+        if case.op == "rope":
+            raise RuntimeError("triton: out of resources")
+        return True, 1e-6, 1e-6
+
+    monkeypatch.setattr(gpu_check, "check_case", check_case)
+    monkeypatch.setattr(gpu_check, "check_adamw", lambda device, dtype, shapes: (False, 3.0, 1.0))
+    rows = gpu_check.correctness(torch.device("cpu"), ["float32"], gpu_check.Size(8, 512), lambda _: None)
+    assert len(checked) == len(rows) - 1  # every case was tried, then FusedAdamW
+    (rope,) = [row for row in rows if row["error"] is not None]
+    assert "RuntimeError: triton: out of resources" in rope["error"] and not rope["passed"]
+    assert rows[-1]["case"].startswith("FusedAdamW step") and rows[-1]["passed"] is False
+    table = gpu_check.correctness_markdown(rows)
+    assert "| ERROR: RuntimeError: triton: out of resources" in table and "| FAIL | 3 | 1 |" in table
+    assert not gpu_check.stage_passed("correctness", rows)
+
+
+def test_a_stage_that_raises_is_recorded_and_the_next_stage_runs(tmp_path):
+    ran = []
+
+    def failing():
+        raise MemoryError("CUDA out of memory")
+
+    stages = [("correctness", lambda: ran.append("correctness") or [{"passed": True}], lambda rows: "## ok\n"),
+              ("training", failing, lambda result: "never"),
+              ("profile", lambda: ran.append("profile") or {"model": "m"}, lambda result: "## profiled\n")]
+    assert gpu_check.run_stages(stages, tmp_path, "# header\n", lambda _: None) is False
+    assert ran == ["correctness", "profile"]
+    report = (tmp_path / "gpu-check.md").read_text()
+    assert report.startswith("# header") and "## training: FAILED" in report and "MemoryError: CUDA out of memory" \
+        in report and report.endswith("## profiled\n")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["failures"][0]["stage"] == "training" and results["profile"] == {"model": "m"}
+
+
+def test_timing_table_shows_times_bandwidth_and_ratios_or_the_error():
+    record = {"title": "RMSNorm", "contenders": [
+        {"name": "eager", "error": None, "median_ms": 0.2, "gbs": 800.0, "fraction_of_peak_bandwidth": 800 / 4800},
+        {"name": "te_lab[triton]", "error": None, "median_ms": 0.05, "gbs": 3200.0,
+         "fraction_of_peak_bandwidth": 3200 / 4800},
+        {"name": "liger", "error": "ImportError: no liger", "median_ms": None}],
+        "speedups": [{"contender": "te_lab[triton]", "over": "eager", "value": 4.0}]}
+    table = gpu_check.timing_markdown([record, {"title": "rope", "error": "RuntimeError: boom", "contenders": []}])
+    assert "| RMSNorm | te_lab[triton] | 0.0500 | 3200 | 67% | 4.00x |" in table
+    assert "| RMSNorm | eager | 0.2000 | 800 | 17% | - |" in table
+    assert "| RMSNorm | liger | ERROR: ImportError: no liger |" in table and "| rope | ERROR: RuntimeError: boom |" \
+        in table
+
+
+@pytest.mark.triton_interpreter
+def test_fused_adamw_triton_kernel_is_checked_against_torch_adamw():
+    if not devices.triton_available(torch.device("cpu")):
+        pytest.skip(devices.triton_unavailable_reason("cpu"))
+    passed, triton_error, torch_error = gpu_check.check_adamw(torch.device("cpu"), torch.float32, [(16, 8), (8,)])
+    assert passed and triton_error <= 2 * torch_error + 1e-5
