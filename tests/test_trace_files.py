@@ -211,3 +211,37 @@ def test_trace_dir_must_be_a_directory(tmp_path):
     with pytest.raises(ValueError, match="te_lab.profile: trace_dir .*file' exists and is not a directory"):
         te_lab.profile((torch.neg, torch.neg), (torch.ones(2, requires_grad=True),), steps=1, warmup=0,
                        trace_dir=tmp_path / "file")
+
+
+def test_show_prints_the_summary_without_a_widget_frontend(capsys):
+    te_lab.open_trace(DATA / "a100-multi-stream-event-sync.json.gz").show()
+    printed = capsys.readouterr().out
+    assert "a100-multi-stream-event-sync.json.gz: NVIDIA A100-PG509-200, 6 device activities on 3 stream(s)" \
+        in printed and "ampere_sgemm_128x64_nn" in printed
+
+
+def test_show_in_a_notebook_draws_the_timeline_figures_and_kernels(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    from te_lab.widgets import trace_view
+
+    shown = []
+    monkeypatch.setattr(trace_view, "widget_frontend_available", lambda: True)
+    monkeypatch.setattr("IPython.display.display", shown.append)
+    trace = te_lab.open_trace(DATA / "mi250-rocm-train.json.gz")
+    trace.show()
+    (box,) = shown
+    header, tabs = box.children
+    timeline, figures, kernels = tabs.children
+    assert [tabs.get_title(i) for i in range(3)] == ["Timeline", "Figures", "Kernels"]
+    # one horizontal bar per device activity, split into traces by phase
+    assert sum(len(bar.x) for bar in timeline.data) == len(trace.kernels)
+    assert {bar.name for bar in timeline.data} == {"forward", "backward", "optimizer"}
+    assert "ProfilerStep#1" in figures.value and "Cijk_Alik_Bljk" in kernels.value
+
+
+def test_te_lab_profile_takes_a_trace_dir(tmp_path):
+    from te_lab.cli import build_parser
+
+    args = build_parser().parse_args(["profile", "--model", "llama-tiny", "--trace-dir", str(tmp_path / "t")])
+    assert args.trace_dir == tmp_path / "t"
+    assert build_parser().parse_args(["demo"]).trace_dir is None

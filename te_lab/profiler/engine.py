@@ -454,7 +454,9 @@ def _correct_to_unprofiled(report: ProfileReport, traces: dict, device_times: bo
     for mode, summary in report.modes.items():
         trace = traces[mode].trace
         scale = correction.attribution_scale(summary.step_median_ms, summary.profiled_step_ms,
-                                             trace.attributed_us / 1e3, device_times)
+                                             trace.attributed_us / 1e3,
+                                             # a GPU trace without device activity holds host times
+                                             device_times and bool(trace.kernels))
         for region in trace.regions.values():
             region.forward_ms *= scale
             region.backward_ms *= scale
