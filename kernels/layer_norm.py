@@ -27,7 +27,7 @@ from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
-from .triton_support import HAS_TRITON, num_warps_for, reduction_programs, row_block, tl, triton
+from .triton_support import HAS_TRITON, column_block, load_norm_input, num_warps_for, row_ranges, tl, triton
 
 NAME = "layer_norm"
 
@@ -123,23 +123,9 @@ class _Native:
 if HAS_TRITON:
 
     @triton.jit
-    def _layer_norm_forward_kernel(X, R, W, B, Y, H, MEAN, RSTD, x_stride, r_stride, n_cols, eps,
-                                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+    def _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, HAS_WEIGHT: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
         mask = cols < n_cols
-        hf = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(ACC)
-        if HAS_RESIDUAL:
-            # add at full precision and round once to the input dtype, as torch's add does
-            h = (hf + tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(ACC))
-            h = h.to(H.dtype.element_ty)
-            tl.store(H + row * n_cols + cols, h, mask=mask)
-            hf = h.to(ACC)
-        mean = tl.sum(hf, axis=0) / n_cols
-        # the padding past the row's end must not count towards the variance
-        centered = tl.where(mask, hf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
         y = centered * rstd
         if HAS_WEIGHT:
             y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
@@ -147,51 +133,136 @@ if HAS_TRITON:
             y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
         tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(MEAN + row, mean)
+
+    @triton.jit
+    def _layer_norm_forward_kernel(X, R, W, B, Y, H, MEAN, RSTD, x_stride, r_stride, n_cols, eps,
+                                   HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                   HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                                   ONE_BLOCK: tl.constexpr):
+        """One row per program, held in registers when it fits one BLOCK (ONE_BLOCK); a wider
+        row is walked in column blocks three times: its mean, its variance (two passes, as
+        the one-block path computes it, rather than the cancellation-prone E[h^2] - mean^2),
+        then its output, from x (+ residual) read again."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        if ONE_BLOCK:
+            hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, cols, HAS_RESIDUAL, True, ACC)
+            mean = tl.sum(hf, axis=0) / n_cols
+            # the padding past the row's end must not count towards the variance
+            centered = tl.where(cols < n_cols, hf - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+            _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, HAS_WEIGHT, HAS_BIAS, ACC)
+        else:
+            sums = tl.zeros((BLOCK,), dtype=ACC)
+            for start in range(0, n_cols, BLOCK):
+                sums += load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL,
+                                          True, ACC)
+            mean = tl.sum(sums, axis=0) / n_cols
+            squares = tl.zeros((BLOCK,), dtype=ACC)
+            for start in range(0, n_cols, BLOCK):
+                hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, False,
+                                       ACC)
+                centered = tl.where(start + cols < n_cols, hf - mean, 0.0)
+                squares += centered * centered
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_cols + eps)
+            for start in range(0, n_cols, BLOCK):
+                hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, False,
+                                       ACC)
+                centered = tl.where(start + cols < n_cols, hf - mean, 0.0)
+                _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, start + cols, HAS_WEIGHT, HAS_BIAS, ACC)
         tl.store(RSTD + row, rstd)
 
     @triton.jit
+    @triton.jit
+    def _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, cols, HAS_WEIGHT: tl.constexpr,
+                                   ACC: tl.constexpr):
+        """(dy, x_hat, g = dy * w) over columns ``cols`` of the row at element ``start``."""
+        mask = cols < n_cols
+        dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
+        h = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC)
+        x_hat = tl.where(mask, (h - mean) * rstd, 0.0)
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+        return dy, x_hat, g
+
+    @triton.jit
+    def _layer_norm_input_grad(DH, DX, g, x_hat, rstd, sum_g, sum_g_x_hat, start, n_cols, cols,
+                               HAS_DH: tl.constexpr, ACC: tl.constexpr):
+        mask = cols < n_cols
+        dx = rstd * (g - (sum_g + x_hat * sum_g_x_hat) / n_cols)
+        if HAS_DH:
+            dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
     def _layer_norm_backward_kernel(DY, DH, H, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols,
                                     rows_per_program, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-                                    ACC: tl.constexpr, BLOCK: tl.constexpr):
+                                    ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """Rows [first, last) per program, every program at least one. A row that fits one BLOCK
+        is held in registers and the program's weight/bias-gradient partial sums too; a wider
+        row is walked in column blocks twice (the row's sums of g and g * x_hat, then dx),
+        the partial sums kept in this program's rows of DW_PARTIAL/DB_PARTIAL, which only it
+        touches."""
         program = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)
-        dw = tl.zeros((BLOCK,), dtype=ACC)
-        db = tl.zeros((BLOCK,), dtype=ACC)
         first = program * rows_per_program
         last = tl.minimum(first + rows_per_program, n_rows)
-        for row in range(first, last):
-            start = row * n_cols
-            dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
-            mean = tl.load(MEAN + row)
-            rstd = tl.load(RSTD + row)
-            h = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC)
-            x_hat = tl.where(mask, (h - mean) * rstd, 0.0)
-            g = dy
-            if HAS_WEIGHT:
-                g = dy * w
+        if ONE_BLOCK:
+            dw = tl.zeros((BLOCK,), dtype=ACC)
+            db = tl.zeros((BLOCK,), dtype=ACC)
+            for row in range(first, last):
+                start = row * n_cols
+                rstd = tl.load(RSTD + row)
+                dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, tl.load(MEAN + row), rstd, start, n_cols, cols,
+                                                          HAS_WEIGHT, ACC)
+                if NEED_DW:
+                    dw += dy * x_hat
+                if NEED_DB:
+                    db += dy
+                _layer_norm_input_grad(DH, DX, g, x_hat, rstd, tl.sum(g, axis=0), tl.sum(g * x_hat, axis=0), start,
+                                       n_cols, cols, HAS_DH, ACC)
             if NEED_DW:
-                dw += dy * x_hat
+                tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=cols < n_cols)
             if NEED_DB:
-                db += dy
-            dx = rstd * (g - (tl.sum(g, axis=0) + x_hat * tl.sum(g * x_hat, axis=0)) / n_cols)
-            if HAS_DH:
-                dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
-            tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        if NEED_DW:
-            tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=mask)
-        if NEED_DB:
-            tl.store(DB_PARTIAL + program * n_cols + cols, db, mask=mask)
+                tl.store(DB_PARTIAL + program * n_cols + cols, db, mask=cols < n_cols)
+        else:
+            for row in range(first, last):
+                start = row * n_cols
+                mean = tl.load(MEAN + row)
+                rstd = tl.load(RSTD + row)
+                g_sums = tl.zeros((BLOCK,), dtype=ACC)
+                products = tl.zeros((BLOCK,), dtype=ACC)
+                for block_start in range(0, n_cols, BLOCK):
+                    dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols,
+                                                              block_start + cols, HAS_WEIGHT, ACC)
+                    g_sums += g
+                    products += g * x_hat
+                sum_g = tl.sum(g_sums, axis=0)
+                sum_g_x_hat = tl.sum(products, axis=0)
+                for block_start in range(0, n_cols, BLOCK):
+                    block = block_start + cols
+                    inside = block < n_cols
+                    dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, block,
+                                                              HAS_WEIGHT, ACC)
+                    _layer_norm_input_grad(DH, DX, g, x_hat, rstd, sum_g, sum_g_x_hat, start, n_cols, block,
+                                           HAS_DH, ACC)
+                    # the first row starts the partial sums (the buffers are not zeroed: their contents are ignored)
+                    if NEED_DW:
+                        partial = DW_PARTIAL + program * n_cols + block
+                        earlier = tl.where(row > first, tl.load(partial, mask=inside, other=0.0), 0.0)
+                        tl.store(partial, earlier + dy * x_hat, mask=inside)
+                    if NEED_DB:
+                        partial = DB_PARTIAL + program * n_cols + block
+                        earlier = tl.where(row > first, tl.load(partial, mask=inside, other=0.0), 0.0)
+                        tl.store(partial, earlier + dy, mask=inside)
 
 
 class _Triton:
     @staticmethod
     def forward(x, residual, weight, bias, eps):
         rows, n = x.shape
-        block = row_block(NAME, n)
+        block = column_block(n)
         x = x if x.stride(-1) == 1 else x.contiguous()
         residual = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -203,25 +274,25 @@ class _Triton:
                 x, residual, weight, bias, y, h, mean, rstd, x.stride(0),
                 0 if residual is None else residual.stride(0), n, eps,
                 HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                ACC=triton_compute_dtype(x), BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(x), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
         return y, h, mean, rstd
 
     @staticmethod
     def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
         rows, n = h.shape
-        block = row_block(NAME, n)
+        block = column_block(n)
         dy, h = dy.contiguous(), h.contiguous()
         dh = None if dh is None else dh.contiguous()
-        programs = reduction_programs(h.device, rows)
+        programs, rows_per_program = row_ranges(h.device, rows)
         dx = torch.empty_like(h)
         dw_partial = torch.empty((programs, n) if need_dw else (0,), dtype=rstd.dtype, device=h.device)
         db_partial = torch.empty((programs, n) if need_db else (0,), dtype=rstd.dtype, device=h.device)
         with devices.device_guard(h.device):
             _layer_norm_backward_kernel[(programs,)](
                 dy, dh, h, weight, mean, rstd, dx, dw_partial, db_partial, rows, n,
-                triton.cdiv(rows, programs), HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
+                rows_per_program, HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
                 NEED_DW=need_dw, NEED_DB=need_db,
-                ACC=triton_compute_dtype(h), BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
         return (dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None,
                 db_partial.sum(0).to(bias.dtype) if need_db else None)
 

@@ -26,3 +26,18 @@ def triton_compute_dtype(tensor: torch.Tensor):
     """The Triton dtype of :func:`compute_dtype`, passed to kernels as a constexpr."""
     assert HAS_TRITON
     return tl.float64 if tensor.dtype == torch.float64 else tl.float32
+
+
+def float32_matmul_allows_tf32() -> bool:
+    """Whether torch's float32 matmul precision lets GEMMs run in TF32, the setting
+    ``torch.matmul`` and ``F.scaled_dot_product_attention`` follow on GPUs
+    (``torch.set_float32_matmul_precision("high")``, ``torch.backends.cuda.matmul.allow_tf32``
+    or, since torch 2.9, ``fp32_precision``). Reads the newer setting where it exists: the
+    older getter raises once both spellings have been used."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9
+        return bool(matmul.allow_tf32)
+    if precision == "none":  # inherits the global setting
+        precision = torch.backends.fp32_precision
+    return precision == "tf32"

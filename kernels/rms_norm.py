@@ -26,7 +26,7 @@ from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
-from .triton_support import HAS_TRITON, num_warps_for, reduction_programs, row_block, tl, triton
+from .triton_support import HAS_TRITON, column_block, load_norm_input, num_warps_for, row_ranges, tl, triton
 
 NAME = "rms_norm"
 
@@ -105,20 +105,9 @@ class _Native:
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, n_cols, eps, offset,
-                                 HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                                 ACC: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
+    def _rms_norm_output(W, Y, hf, rstd, row, n_cols, cols, offset, HAS_WEIGHT: tl.constexpr,
+                         ACC: tl.constexpr):
         mask = cols < n_cols
-        hf = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(ACC)
-        if HAS_RESIDUAL:
-            # add at full precision and round once to the input dtype, as torch's add does
-            h = (hf + tl.load(R + row * r_stride + cols, mask=mask, other=0.0).to(ACC))
-            h = h.to(H.dtype.element_ty)
-            tl.store(H + row * n_cols + cols, h, mask=mask)
-            hf = h.to(ACC)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
         y = hf * rstd
         if HAS_WEIGHT:
             y = y * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
@@ -126,39 +115,103 @@ if HAS_TRITON:
         tl.store(RSTD + row, rstd)
 
     @triton.jit
+    def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, n_cols, eps, offset,
+                                 HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                 ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """One row per program, held in registers when it fits one BLOCK (ONE_BLOCK); a wider
+        row is walked in column blocks twice: its sum of squares, then its output, from
+        x (+ residual) read again."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        if ONE_BLOCK:
+            hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, cols, HAS_RESIDUAL, True, ACC)
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+            _rms_norm_output(W, Y, hf, rstd, row, n_cols, cols, offset, HAS_WEIGHT, ACC)
+        else:
+            squares = tl.zeros((BLOCK,), dtype=ACC)
+            for start in range(0, n_cols, BLOCK):
+                hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, True,
+                                     ACC)
+                squares += hf * hf
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_cols + eps)
+            for start in range(0, n_cols, BLOCK):
+                hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, False,
+                                     ACC)
+                _rms_norm_output(W, Y, hf, rstd, row, n_cols, start + cols, offset, HAS_WEIGHT, ACC)
+
+    @triton.jit
+    @triton.jit
+    def _rms_norm_backward_terms(DY, H, W, rstd, start, n_cols, cols, offset, HAS_WEIGHT: tl.constexpr,
+                                 ACC: tl.constexpr):
+        """(dy, x_hat, g = dy * w) over columns ``cols`` of the row at element ``start``."""
+        mask = cols < n_cols
+        dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
+        x_hat = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC) * rstd
+        g = dy
+        if HAS_WEIGHT:
+            g = dy * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
+        return dy, x_hat, g
+
+    @triton.jit
+    def _rms_norm_input_grad(DH, DX, g, x_hat, rstd, mean_g_x_hat, start, n_cols, cols, HAS_DH: tl.constexpr,
+                             ACC: tl.constexpr):
+        mask = cols < n_cols
+        dx = rstd * (g - x_hat * mean_g_x_hat)
+        if HAS_DH:
+            dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
     def _rms_norm_backward_kernel(DY, DH, H, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
                                   offset, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                                  ACC: tl.constexpr, BLOCK: tl.constexpr):
+                                  ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """Rows [first, last) per program, every program at least one. A row that fits one BLOCK
+        is held in registers and the program's weight-gradient partial sum too; a wider row
+        is walked in column blocks twice (the row's mean of g * x_hat, then dx), the partial
+        sum kept in DW_PARTIAL's row of this program, which only this program touches."""
         program = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset
-        dw = tl.zeros((BLOCK,), dtype=ACC)
         first = program * rows_per_program
         last = tl.minimum(first + rows_per_program, n_rows)
-        for row in range(first, last):
-            start = row * n_cols
-            dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
-            rstd = tl.load(RSTD + row)
-            x_hat = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC) * rstd
-            g = dy
+        if ONE_BLOCK:
+            dw = tl.zeros((BLOCK,), dtype=ACC)
+            for row in range(first, last):
+                start = row * n_cols
+                rstd = tl.load(RSTD + row)
+                dy, x_hat, g = _rms_norm_backward_terms(DY, H, W, rstd, start, n_cols, cols, offset, HAS_WEIGHT,
+                                                        ACC)
+                if HAS_WEIGHT:
+                    dw += dy * x_hat
+                _rms_norm_input_grad(DH, DX, g, x_hat, rstd, tl.sum(g * x_hat, axis=0) / n_cols, start, n_cols,
+                                     cols, HAS_DH, ACC)
             if HAS_WEIGHT:
-                g = dy * w
-                dw += dy * x_hat
-            dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
-            if HAS_DH:
-                dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
-            tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=mask)
+                tl.store(DW_PARTIAL + program * n_cols + cols, dw, mask=cols < n_cols)
+        else:
+            for row in range(first, last):
+                start = row * n_cols
+                rstd = tl.load(RSTD + row)
+                products = tl.zeros((BLOCK,), dtype=ACC)
+                for block_start in range(0, n_cols, BLOCK):
+                    dy, x_hat, g = _rms_norm_backward_terms(DY, H, W, rstd, start, n_cols, block_start + cols,
+                                                            offset, HAS_WEIGHT, ACC)
+                    products += g * x_hat
+                mean_g_x_hat = tl.sum(products, axis=0) / n_cols
+                for block_start in range(0, n_cols, BLOCK):
+                    block = block_start + cols
+                    dy, x_hat, g = _rms_norm_backward_terms(DY, H, W, rstd, start, n_cols, block, offset,
+                                                            HAS_WEIGHT, ACC)
+                    _rms_norm_input_grad(DH, DX, g, x_hat, rstd, mean_g_x_hat, start, n_cols, block, HAS_DH, ACC)
+                    if HAS_WEIGHT:
+                        # the first row starts the partial sum (DW_PARTIAL is not zeroed: its contents are ignored)
+                        partial = DW_PARTIAL + program * n_cols + block
+                        earlier = tl.where(row > first, tl.load(partial, mask=block < n_cols, other=0.0), 0.0)
+                        tl.store(partial, earlier + dy * x_hat, mask=block < n_cols)
 
 
 class _Triton:
     @staticmethod
     def forward(x, residual, weight, eps, offset):
         rows, n = x.shape
-        block = row_block(NAME, n)
+        block = column_block(n)
         x = x if x.stride(-1) == 1 else x.contiguous()
         residual = None if residual is None else (residual if residual.stride(-1) == 1 else residual.contiguous())
         y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -169,23 +222,23 @@ class _Triton:
                 x, residual, weight, y, h, rstd, x.stride(0),
                 0 if residual is None else residual.stride(0), n, eps, offset,
                 HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-                ACC=triton_compute_dtype(x), BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(x), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
         return y, h, rstd
 
     @staticmethod
     def backward(dy, dh, h, weight, rstd, offset, need_dw):
         rows, n = h.shape
-        block = row_block(NAME, n)
+        block = column_block(n)
         dy, h = dy.contiguous(), h.contiguous()
         dh = None if dh is None else dh.contiguous()
-        programs = reduction_programs(h.device, rows)
+        programs, rows_per_program = row_ranges(h.device, rows)
         dx = torch.empty_like(h)
         partial = torch.empty((programs, n) if weight is not None else (0,), dtype=rstd.dtype, device=h.device)
         with devices.device_guard(h.device):
             _rms_norm_backward_kernel[(programs,)](
-                dy, dh, h, weight, rstd, dx, partial, rows, n, triton.cdiv(rows, programs), offset,
+                dy, dh, h, weight, rstd, dx, partial, rows, n, rows_per_program, offset,
                 HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
-                ACC=triton_compute_dtype(h), BLOCK=block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
         dw = partial.sum(0).to(weight.dtype) if need_dw else None
         return dx, dw
 

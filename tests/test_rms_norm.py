@@ -53,6 +53,30 @@ def test_forward_and_gradients_match_reference(backend, dtype, with_residual, wi
             assert_close(got, want, dtype, backend, **({"atol": 1e-4} if dtype == torch.float32 else {}))
 
 
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif("triton" not in fused_backends(RMS_NORM), reason="needs the triton backend")
+@pytest.mark.parametrize("with_residual, with_weight, offset", [VARIANTS[1], VARIANTS[3]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_wider_than_one_column_block(monkeypatch, dtype, with_residual, with_weight, offset):
+    """Rows over MAX_COLUMN_BLOCK (8192, Llama 3 405B's 16384 among them) are walked block by
+    block; a block of 256 gives the same path at a size the interpreter runs quickly, with a
+    partial last block and several rows per program (sized for a 1-multiprocessor GPU)."""
+    from te_lab.benchmarks.kernel_launches import recording_launches
+    from te_lab.kernels import triton_support
+
+    monkeypatch.setattr(triton_support, "MAX_COLUMN_BLOCK", 256)
+    x, residual, weight = _inputs((11,), 600, dtype, with_residual, with_weight)
+    with recording_launches(multiprocessors=1, execute=True) as log:
+        outputs, grads = _run(rms_norm, x, residual, weight, offset, backend="triton")
+    ref_outputs, ref_grads = _run(rms_norm_reference, x, residual, weight, offset)
+    launched = {record["kernel"].split(":")[1]: record["arguments"] for record in log.records.values()}
+    for kernel in ("_rms_norm_forward_kernel", "_rms_norm_backward_kernel"):
+        assert launched[kernel]["BLOCK"]["value"] == 256 and launched[kernel]["ONE_BLOCK"]["value"] is False
+    assert launched["_rms_norm_backward_kernel"]["rows_per_program"]["value"] == 3
+    for got, want in zip(outputs + grads, ref_outputs + ref_grads):
+        assert_close(got, want, dtype, "triton", **({"atol": 1e-4} if dtype == torch.float32 else {}))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp32_weight_with_bf16_activations(backend):
     x, residual, weight = _inputs((3,), 1000, torch.bfloat16, True, True, weight_dtype=torch.float32)
