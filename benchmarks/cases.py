@@ -16,22 +16,11 @@ Shapes at ``Size(tokens=T, hidden=H)``:
 - AdamW:                     the parameters of a one-layer Llama of width H with a
                              8192-token embedding (see ``adamw_case``)
 
-Bytes moved (N = elements of the activation, s = its element size), forward | backward:
-
-- RMSNorm:            read x, w; write y, rstd      | read dy, x, w, rstd; write dx, dw
-- add + LayerNorm:    read x, r, w, b; write h, y   | read dy, dh, h; write dx      (8 N s in all)
-- Linear + GELU:      read x, W, b; write y         | read dy, pre-activation, x, W; write dx, dW
-                      (compute-bound: FLOP/s matter; forward 2 T H 4H, backward twice that)
-- Linear:             read x, W; write y            | read dy, x, W; write dx, dW
-                      (compute-bound: forward 2 T H F, backward twice that)
-- SwiGLU / GeGLU:     read g, u; write y            | read dy, g, u; write dg, du   (8 N s)
-- RoPE on q and k:    read q, k, cos, sin; write q', k' | read dq', dk', cos, sin; write dq, dk
-- attention:          read q, k, v; write o         | read do, q, k, v, o; write dq, dk, dv (12 N s)
-                      (FLOPs: causal forward 2 B H S^2 D, backward 2.5 times that)
-- cross-entropy:      read logits; write grad       | read grad; write dlogits      (4 N s)
-- LM head + CE:       read hidden, W                | read hidden, W; write dhidden, dW
-                      (never the logits; compute-bound: forward 2 T H V, backward twice)
-- AdamW step:         read p, g, m, v; write p, m, v                               (7 P s)
+What each pass moves and computes is not written here: it is what the fused call's ops
+cost by te_lab's one cost model (:mod:`te_lab.kernels.costs`, the profiler's too), recorded
+once per case: every op the fused forward, then its backward, dispatches (te_lab's ops
+whole, ATen's GEMMs and the rest by their rules). Attention is counted non-causal (4 B H
+S^2 D forward), as the profiler counts it: the model sees shapes, not flags.
 """
 
 from __future__ import annotations
@@ -42,6 +31,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from te_lab.kernels.costs import OpCost, TensorSpec
 
 from te_lab.kernels.attention import attention
 from te_lab.kernels.bias_act import linear_act
@@ -51,6 +44,7 @@ from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
 from te_lab.kernels.rope import apply_rotary
+from te_lab.profiler.estimates import cost_of
 
 VOCAB = 32000
 
@@ -76,22 +70,63 @@ class OpCase:
     inputs: tuple  # every tensor the step takes; gradients are taken for all of them
     baseline: Callable
     fused: Callable
-    bytes_moved: dict[str, int]  # "forward", "backward"
-    flops: dict[str, int] = field(default_factory=dict)
     liger: Optional[Callable[[object], Callable]] = None
+    _costs: dict = field(default_factory=dict, init=False, repr=False)
+
+    def costs(self) -> dict[str, OpCost]:
+        """"forward" and "backward": what the fused call's ops move and compute (recorded once)."""
+        if not self._costs:
+            self._costs.update(recorded_costs(self.fused, self.inputs))
+        return self._costs
 
     def bytes_for(self, mode: str) -> int:
-        return sum(self.bytes_moved[part] for part in mode.split("+"))
+        return sum(self.costs()[part].bytes_moved for part in mode.split("+"))
 
-    def flops_for(self, mode: str) -> Optional[int]:
-        return sum(self.flops[part] for part in mode.split("+")) if self.flops else None
+    def flops_for(self, mode: str) -> int:
+        return sum(self.costs()[part].flops for part in mode.split("+"))
 
 
-def _bytes(*tensors_or_counts) -> int:
-    total = 0
-    for item in tensors_or_counts:
-        total += item.numel() * item.element_size() if isinstance(item, torch.Tensor) else int(item)
-    return total
+def tensor_spec(value) -> Optional[TensorSpec]:
+    """An argument as the cost model sees it: a TensorSpec for a tensor, None for anything else."""
+    return TensorSpec(tuple(value.shape), value.element_size()) if isinstance(value, torch.Tensor) else None
+
+
+class _CostRecorder(TorchDispatchMode):
+    """Sums the cost of every ATen and te_lab op dispatched inside it: te_lab's ops as a
+    whole (what they run inside is dispatched outside the mode), ATen's as they come;
+    views and bare allocations move nothing and are left out, as the profiler leaves
+    them out (and ``prim::`` queries such as ``x.device`` are no ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = self.bytes_written = self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith(("aten::", "te_lab::")) and not func.is_view and not name.startswith("aten::empty"):
+            cost = cost_of(name, [tensor_spec(arg) for arg in args])
+            self.bytes_read += cost.bytes_read
+            self.bytes_written += cost.bytes_written
+            self.flops += cost.flops
+        return func(*args, **(kwargs or {}))
+
+    def total(self, what: str) -> OpCost:
+        return OpCost(self.bytes_read, self.bytes_written, self.flops, f"the ops of the fused call's {what}")
+
+
+def recorded_costs(fused: Callable, inputs: tuple) -> dict[str, OpCost]:
+    """What ``fused(*inputs)`` costs forward and backward, op by op. It runs on fake
+    tensors (shapes and dtypes, no data): te_lab's ops run their registered fake
+    implementations, so nothing is computed or compiled."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        fakes = tuple(fake_mode.from_tensor(t) for t in inputs)
+        outputs = fused(*fakes, backend=None)
+        upstream = [torch.ones_like(out) for out in (outputs if isinstance(outputs, tuple) else (outputs,))]
+        with _CostRecorder() as forward:
+            outputs = fused(*fakes, backend=None)
+        with _CostRecorder() as backward:
+            torch.autograd.grad(outputs if isinstance(outputs, tuple) else (outputs,), fakes, upstream)
+    return {"forward": forward.total("forward"), "backward": backward.total("backward")}
 
 
 def hand_written_rms_norm(x, weight, eps=1e-6):
@@ -177,7 +212,6 @@ def rms_norm_case(device, dtype, size: Size) -> OpCase:
         "rms_norm", "rms_norm", f"RMSNorm {t}x{h}", (x, w),
         baseline=hand_written_rms_norm,
         fused=lambda x, w, backend: rms_norm(x, w, 1e-6, backend=backend),
-        bytes_moved={"forward": _bytes(x, w, x, t * 4), "backward": _bytes(x, x, w, t * 4, x, w)},
         liger=lambda functional: lambda x, w: functional.liger_rms_norm(x, w, 1e-6, in_place=False))
 
 
@@ -196,7 +230,6 @@ def layer_norm_case(device, dtype, size: Size) -> OpCase:
         "layer_norm", "layer_norm", f"add + LayerNorm {t}x{h}", (x, r, w, b),
         baseline=add_layer_norm,
         fused=lambda x, r, w, b, backend: layer_norm(x, w, b, 1e-5, residual=r, backend=backend),
-        bytes_moved={"forward": _bytes(x, r, w, b, x, x), "backward": _bytes(x, x, x, x)},
         liger=liger)
 
 
@@ -206,14 +239,10 @@ def bias_act_case(device, dtype, size: Size) -> OpCase:
     # initialised like nn.Linear (scale 1/sqrt(fan_in)), so pre-activations are O(1) as in real models
     weight = (torch.randn(4 * h, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
     bias = _param(4 * h, device, dtype)
-    out = t * 4 * h * x.element_size()
-    forward_flops = 2 * t * h * 4 * h
     return OpCase(
         "bias_act", "bias_act", f"Linear {t}x{h}->{4 * h} + GELU", (x, weight, bias),
         baseline=linear_gelu,
-        fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend),
-        bytes_moved={"forward": _bytes(x, weight, bias, out), "backward": _bytes(out, out, x, x, weight, weight)},
-        flops={"forward": forward_flops, "backward": 2 * forward_flops})
+        fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend))
 
 
 def glu_case(activation: str) -> Callable:
@@ -227,7 +256,6 @@ def glu_case(activation: str) -> Callable:
             "glu", f"glu[{activation}]", f"{title} {size.tokens}x{ffn}", (gate, up),
             baseline=baseline,
             fused=lambda g, u, backend: glu(g, u, activation, backend=backend),
-            bytes_moved={"forward": _bytes(gate) * 3, "backward": _bytes(gate) * 5},
             liger=lambda functional: getattr(functional, liger_name))
     return build
 
@@ -241,20 +269,16 @@ def rope_case(device, dtype, size: Size) -> OpCase:
         "rope", "rope", f"RoPE q {tuple(q.shape)}, k {tuple(k.shape)}", (q, k),
         baseline=lambda q, k: hf_rotary(q, k, cos, sin),
         fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
-        bytes_moved={"forward": _bytes(q, k, cos, sin, q, k), "backward": _bytes(q, k, cos, sin, q, k)},
         liger=lambda functional: lambda q, k: functional.liger_rope(q, k, cos[None], sin[None]))
 
 
 def attention_case(device, dtype, size: Size) -> OpCase:
     heads, seq = _heads(size.hidden), size.tokens
     q, k, v = (_act((1, heads, seq, HEAD_DIM), device, dtype) for _ in range(3))
-    forward_flops = 2 * heads * seq * seq * HEAD_DIM  # two matmuls of 2 S^2 D, halved by the mask
     return OpCase(
         "attention", "attention", f"causal attention {tuple(q.shape)}", (q, k, v),
         baseline=explicit_causal_attention,
-        fused=lambda q, k, v, backend: attention(q, k, v, causal=True, backend=backend),
-        bytes_moved={"forward": _bytes(q) * 4, "backward": _bytes(q) * 8},
-        flops={"forward": forward_flops, "backward": int(2.5 * forward_flops)})
+        fused=lambda q, k, v, backend: attention(q, k, v, causal=True, backend=backend))
 
 
 def cross_entropy_case(device, dtype, size: Size) -> OpCase:
@@ -264,7 +288,6 @@ def cross_entropy_case(device, dtype, size: Size) -> OpCase:
         "cross_entropy", "cross_entropy", f"cross-entropy {size.tokens}x{VOCAB}", (logits,),
         baseline=lambda logits: F.cross_entropy(logits, labels),
         fused=lambda logits, backend: cross_entropy(logits, labels, backend=backend),
-        bytes_moved={"forward": _bytes(logits) * 2, "backward": _bytes(logits) * 2},
         liger=lambda functional: lambda logits: functional.liger_cross_entropy(logits, labels))
 
 
@@ -273,14 +296,11 @@ def fused_linear_cross_entropy_case(device, dtype, size: Size) -> OpCase:
     hidden, head = _act((t, h), device, dtype), _act((VOCAB, h), device, dtype)
     head.data.mul_(h ** -0.5)
     labels = torch.randint(0, VOCAB, (t,), device=device)
-    forward_flops = 2 * t * h * VOCAB
     return OpCase(
         "fused_linear_cross_entropy", "fused_linear_cross_entropy", f"LM head + cross-entropy {t}x{h} -> {VOCAB}",
         (hidden, head),
         baseline=lambda hidden, head: F.cross_entropy(F.linear(hidden, head), labels),
         fused=lambda hidden, head, backend: fused_linear_cross_entropy(hidden, head, labels, backend=backend),
-        bytes_moved={"forward": _bytes(hidden, head), "backward": _bytes(hidden, head) * 2},
-        flops={"forward": forward_flops, "backward": 2 * forward_flops},
         liger=lambda functional: lambda hidden, head: functional.liger_fused_linear_cross_entropy(hidden, head, labels))
 
 
@@ -292,14 +312,10 @@ def linear_case(device, dtype, size: Size) -> OpCase:
     t, h, f = size.tokens, size.hidden, llama_ffn(size.hidden)
     x = _act((t, h), device, dtype)
     weight = (torch.randn(f, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
-    out = t * f * x.element_size()
-    forward_flops = 2 * t * h * f
     return OpCase(
         "linear", "linear", f"Linear {t}x{h}->{f} (no bias)", (x, weight),
         baseline=projection,
-        fused=lambda x, weight, backend: linear(x, weight, backend=backend),
-        bytes_moved={"forward": _bytes(x, weight, out), "backward": _bytes(out, x, weight, x, weight)},
-        flops={"forward": forward_flops, "backward": 2 * forward_flops})
+        fused=lambda x, weight, backend: linear(x, weight, backend=backend))
 
 
 # Every registered op but the optimizer, by name; an op missing here fails the suite
@@ -344,4 +360,5 @@ def adamw_parameters(device: torch.device, dtype: torch.dtype, hidden: int) -> l
 
 
 def adamw_bytes(params: list[torch.Tensor]) -> int:
-    return 7 * sum(p.numel() * p.element_size() for p in params)
+    """What one AdamW step over ``params`` moves, by te_lab's cost model."""
+    return cost_of("te_lab::adamw_step", [tensor_spec(p) for p in params]).bytes_moved

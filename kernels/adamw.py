@@ -50,6 +50,7 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from te_lab import device as devices
 
+from .costs.adamw import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import HAS_TRITON, tl, triton
@@ -425,6 +426,7 @@ ADAMW = register_op(FusedOp(
     reference=adamw_reference_step,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="native",
+    costs=COSTS,
 ))
 
 _STEPPERS = {**_IMPLEMENTATIONS, "reference": _Reference}

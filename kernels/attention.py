@@ -38,6 +38,7 @@ from te_lab import device as devices
 
 from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
+from .costs.attention import COSTS
 from .precision import compute_dtype
 from .registry import FusedOp, forced_backend, aten_kernel_exists, register_op, select_backend
 from .triton_support import HAS_TRITON, tl, triton
@@ -481,6 +482,7 @@ ATTENTION = register_op(FusedOp(
     reference=attention_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="native",
+    costs=COSTS,
 ))
 
 

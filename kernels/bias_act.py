@@ -27,6 +27,7 @@ from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_gra
 from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
+from .costs.bias_act import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, reduction_programs, tl, triton
@@ -214,6 +215,7 @@ BIAS_ACT = register_op(FusedOp(
     reference=bias_act_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="native",
+    costs=COSTS,
 ))
 
 

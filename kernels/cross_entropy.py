@@ -35,6 +35,7 @@ from te_lab import device as devices
 from .autocast import register_autocast_rule
 from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
 from .compiled import inductor_compiled
+from .costs.cross_entropy import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -213,6 +214,7 @@ CROSS_ENTROPY = register_op(FusedOp(
     reference=cross_entropy_reference,
     implementations=IMPLEMENTATIONS,
     cpu_preference="inductor",
+    costs=COSTS,
 ))
 
 

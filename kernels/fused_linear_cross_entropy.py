@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_label_tensor, check_labels_in_range, check_tensor
+from .costs.fused_linear_cross_entropy import COSTS
 from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
                             cross_entropy_reference, mean_over_labelled)
 from .linear import matmul_nt, runs_on_onednn
@@ -130,6 +131,7 @@ FUSED_LINEAR_CROSS_ENTROPY = register_op(FusedOp(
     # chunks through the Inductor row kernel ran at 0.96x (8192 tokens) to 1.02x (2048) the
     # unfused path's time, with 23% of its peak memory at 8192 tokens.
     cpu_preference="inductor",
+    costs=COSTS,
 ))
 
 

@@ -25,6 +25,7 @@ from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_gra
 from .autocast import register_autocast_rule
 from .checks import check_choice, check_like, check_tensor
 from .compiled import inductor_compiled
+from .costs.glu import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -187,6 +188,7 @@ GLU = register_op(FusedOp(
     reference=glu_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="inductor",
+    costs=COSTS,
 ))
 
 

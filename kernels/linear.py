@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
+from .costs.linear import COSTS
 from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
 
 NAME = "linear"
@@ -93,6 +94,7 @@ LINEAR = register_op(FusedOp(
     implementations=_IMPLEMENTATIONS,
     cpu_preference="native" if onednn_beats_blas() else "reference",
     native_supports=_native_supports,
+    costs=COSTS,
 ))
 
 

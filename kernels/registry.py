@@ -40,7 +40,10 @@ class FusedOp:
     (typically an object with ``forward`` and ``backward``). ``cpu_preference`` is the
     backend chosen automatically where Triton cannot run, picked per op by benchmark.
     ``native_supports`` says on which device types the native backend exists (the
-    ATen kernels it calls may be missing on a device or in an older torch).
+    ATen kernels it calls may be missing on a device or in an older torch). ``costs``
+    maps each of the op's ``te_lab::`` custom ops (forward, backward...) to its cost
+    function (:mod:`te_lab.kernels.costs`): bytes read and written and FLOPs of one call,
+    from its arguments' shapes and dtypes, as the profiler and the benchmarks count them.
     """
 
     name: str
@@ -48,6 +51,7 @@ class FusedOp:
     implementations: Mapping[str, object]
     cpu_preference: str = "inductor"
     native_supports: Callable[[str], bool] = field(default=lambda device_type: True)
+    costs: Mapping[str, Callable] = field(default_factory=dict)
 
     def backends(self) -> tuple[str, ...]:
         """Every backend this op implements (whether a device can run it aside)."""

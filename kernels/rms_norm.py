@@ -24,6 +24,7 @@ from te_lab import device as devices
 from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
+from .costs.rms_norm import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import HAS_TRITON, column_block, load_norm_input, num_warps_for, row_ranges, tl, triton
@@ -253,6 +254,7 @@ RMS_NORM = register_op(FusedOp(
     implementations=_IMPLEMENTATIONS,
     cpu_preference="inductor",
     native_supports=_native_supports,
+    costs=COSTS,
 ))
 
 

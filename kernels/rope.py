@@ -37,6 +37,7 @@ from te_lab import device as devices
 from .autocast import register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
+from .costs.rope import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -284,6 +285,7 @@ ROPE = register_op(FusedOp(
     reference=apply_rotary_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="inductor",
+    costs=COSTS,
 ))
 
 

@@ -200,3 +200,13 @@ def test_a_compile_inside_a_measured_step_is_counted_and_warned():
     assert report.modes["eager"].compiles == 0
     assert report.modes["fused"].compiles >= 1  # its first timed step compiled the frame
     assert any("compilation events during the fused mode" in note for note in report.notes)
+
+
+def test_each_kind_counts_alike_eager_and_fused(llama_profile):
+    # one cost model for both modes (te_lab.kernels.costs): the GEMMs and attention count the
+    # same either way; elementwise steps are counted per formulation (eager's RMSNorm and
+    # te_lab's kernel differ by a few steps), hence 10%
+    for kind in llama_profile.kinds:
+        if kind.key != "other":
+            assert kind.fused.flops == pytest.approx(kind.eager.flops, rel=0.10), kind.key
+            assert 0 < kind.fused.bytes_moved <= kind.eager.bytes_moved, kind.key

@@ -1,0 +1,7 @@
+"""What each op moves and computes, from its arguments' shapes and dtypes: the cost model
+(:mod:`.model`), ATen's ops (:mod:`.aten`), and one file per te_lab op, whose ``COSTS``
+its kernel file registers with its :class:`~te_lab.kernels.registry.FusedOp`."""
+
+from .model import CostFunction, OpCost, TensorSpec
+
+__all__ = ["CostFunction", "OpCost", "TensorSpec"]

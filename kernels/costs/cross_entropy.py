@@ -1,0 +1,31 @@
+"""te_lab::cross_entropy and its backward (schemas in kernels/cross_entropy.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .model import Arguments, OpCost, at, reading_inputs
+
+
+def forward(arguments: Arguments) -> Optional[OpCost]:
+    # (logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend)
+    #   -> (losses [tokens] float32/64, grad like logits or empty)
+    logits = at(arguments, 0)
+    if logits is None:
+        return None
+    return reading_inputs(arguments, logits.rows * logits.stats_itemsize + logits.nbytes, logits.numel * 8,
+                          "inputs read + per-token losses (float32, float64 for float64) and the gradient like "
+                          "logits (assumed computed: the training case) written; FLOPs: 8 per logit (online max, "
+                          "subtract, exp, sum; then subtract, exp, scale, subtract for the gradient)")
+
+
+def backward(arguments: Arguments) -> Optional[OpCost]:
+    # (grad_logits, dloss) -> grad_logits scaled per token
+    grad = at(arguments, 0)
+    if grad is None:
+        return None
+    return reading_inputs(arguments, grad.nbytes, grad.numel,
+                          "inputs read + a gradient like grad_logits written; FLOPs: 1 per element")
+
+
+COSTS = {"te_lab::cross_entropy": forward, "te_lab::cross_entropy_backward": backward}

@@ -1,0 +1,34 @@
+"""te_lab::rms_norm and its backward (schemas in kernels/rms_norm.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .model import Arguments, OpCost, at, nbytes, reading_inputs
+
+
+def forward(arguments: Arguments) -> Optional[OpCost]:
+    # (x, residual, weight, eps, weight_offset, backend) -> (y, h or empty, rstd)
+    x, residual = at(arguments, 0), at(arguments, 1)
+    if x is None:
+        return None
+    with_residual = residual is not None
+    return reading_inputs(
+        arguments, x.nbytes * (2 if with_residual else 1) + x.rows * x.stats_itemsize,
+        x.numel * (4 + with_residual),
+        "inputs read + y like x, h like x (with a residual), rstd per row (float32, float64 for float64) "
+        "written; FLOPs: 4 per element of x (square, mean, scale by rstd, by weight), +1 with a residual")
+
+
+def backward(arguments: Arguments) -> Optional[OpCost]:
+    # (dy, dh, h, weight, rstd, weight_offset, need_dw, backend) -> (dx, dw or empty)
+    h, weight = at(arguments, 2), at(arguments, 3)
+    if h is None:
+        return None
+    return reading_inputs(
+        arguments, h.nbytes + nbytes(weight), h.numel * (8 + (at(arguments, 1) is not None)),
+        "inputs read + dx like h, dw like weight (assumed needed when a weight is given) written; FLOPs: 8 per "
+        "element of h (x_hat, dy*w, the row dot product, dx, dw's product and sum), +1 with a residual gradient")
+
+
+COSTS = {"te_lab::rms_norm": forward, "te_lab::rms_norm_backward": backward}
