@@ -7,8 +7,8 @@ gpu-check``), a few minutes on one H100/H200 or MUSA GPU. Everything lands in on
    inputs (the truth); the Triton result passes when its error is at most twice the error
    of the reference run in the benchmark dtype, plus that dtype's atol. FusedAdamW's
    Triton kernel the same way against ``torch.optim.AdamW``'s steps.
-2. timing: the same ops' cases (forward+backward) and the AdamW step in bfloat16, te_lab
-   against eager, torch.compile and Liger-Kernel where installed, through the suite's
+2. timing: the same ops' cases (forward+backward) and the AdamW step in bfloat16, te_lab's
+   Triton kernels against eager, torch.compile and Liger-Kernel where installed, through the suite's
    per-op harness (interleaved rounds, L2 flushed, several calls per sample), achieved
    GB/s beside the device's peak.
 3. training: a Hugging Face Llama trained fused and unfused under bf16 autocast, loss
@@ -151,9 +151,11 @@ def timing(device: torch.device, size: Size, rounds: int, warmup: int, progress)
     records = []
     for op in triton_ops() + ["adamw"]:
         try:
+            # te_lab's triton backend only: what automatic selection picks on GPUs (an inductor
+            # contender would cost a torch.compile per case more, beyond the check's minutes)
             records += per_op.run_op(op, size, dtype, ("forward+backward",), device,
                                      ceilings=environment.ceilings(env, dtype), rounds=rounds, warmup=warmup,
-                                     progress=progress)
+                                     progress=progress, backends=("triton",))
         except Exception as failure:
             records.append({"op": op, "title": op, "error": describe_error(failure), "contenders": []})
     return records

@@ -54,22 +54,26 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(copy)
 
 
-def te_lab_backends(op_name: str, device: torch.device) -> list[tuple[str, bool]]:
-    """(backend, picked automatically) for every backend that can be timed here: the
-    reference only where automatic selection picks it (it is what a user gets then), and
-    Triton only on GPUs (the CPU's interpreter is for tests)."""
+def te_lab_backends(op_name: str, device: torch.device,
+                    only: Optional[tuple[str, ...]] = None) -> list[tuple[str, bool]]:
+    """(backend, picked automatically) for every backend that can be timed here (those in
+    ``only``, where given): the reference only where automatic selection picks it (it is
+    what a user gets then), and Triton only on GPUs (the CPU's interpreter is for tests)."""
     op = registered_ops()[op_name]
     auto = select_backend(op, device)
     timed = [b for b in available_backends(op, device)
-             if (b != "reference" or b == auto) and (b != "triton" or devices.is_gpu(device))]
+             if (b != "reference" or b == auto) and (b != "triton" or devices.is_gpu(device))
+             and (only is None or b in only)]
     return [(backend, backend == auto) for backend in timed]
 
 
-def case_functions(case: OpCase, device: torch.device) -> dict[str, tuple[Callable, ContenderInfo]]:
-    """Contender name -> (the function of the inputs it runs, what it is)."""
+def case_functions(case: OpCase, device: torch.device,
+                   backends: Optional[tuple[str, ...]] = None) -> dict[str, tuple[Callable, ContenderInfo]]:
+    """Contender name -> (the function of the inputs it runs, what it is); te_lab's
+    contenders limited to ``backends`` where given."""
     functions = {"eager": (case.baseline, ContenderInfo("eager")),
                  "torch.compile": (compiled(case.baseline), ContenderInfo("torch.compile"))}
-    for backend, auto in te_lab_backends(case.op, device):
+    for backend, auto in te_lab_backends(case.op, device, backends):
         run = (lambda backend: lambda *inputs: case.fused(*inputs, backend=backend))(backend)
         functions[f"te_lab[{backend}]"] = (run, ContenderInfo("te_lab", backend, auto))
     functional = liger_functional(device)
@@ -78,7 +82,8 @@ def case_functions(case: OpCase, device: torch.device) -> dict[str, tuple[Callab
     return functions
 
 
-def adamw_contenders(device: torch.device, dtype: torch.dtype, hidden: int
+def adamw_contenders(device: torch.device, dtype: torch.dtype, hidden: int,
+                     backends: Optional[tuple[str, ...]] = None
                      ) -> tuple[list[Contender], dict[str, ContenderInfo], int, int]:
     """Each optimizer contender on a parameter set of its own, its state allocated by one
     untimed step: torch.optim.AdamW's default (foreach) step, torch.compile of it,
@@ -96,7 +101,7 @@ def adamw_contenders(device: torch.device, dtype: torch.dtype, hidden: int
     if aten_kernel_exists("aten::_fused_adamw_", device.type):
         contenders.append(Contender("torch AdamW(fused=True)", prepared(lambda p: torch.optim.AdamW(p, fused=True))))
         infos["torch AdamW(fused=True)"] = ContenderInfo("torch")
-    for backend, auto in te_lab_backends("adamw", device):
+    for backend, auto in te_lab_backends("adamw", device, backends):
         name = f"te_lab[{backend}]"
         contenders.append(Contender(name, prepared(lambda p, backend=backend: FusedAdamW(p, backend=backend))))
         infos[name] = ContenderInfo("te_lab", backend, auto)
@@ -146,12 +151,14 @@ def measure(contenders: list[Contender], infos: dict[str, ContenderInfo], device
 
 
 def run_op(op: str, size: Size, dtype: torch.dtype, modes: tuple[str, ...], device: torch.device, *,
-           ceilings: dict, rounds: int, warmup: int, progress) -> list[dict]:
-    """One result record per case of ``op`` and mode (the JSON schema's ``ops`` items)."""
+           ceilings: dict, rounds: int, warmup: int, progress,
+           backends: Optional[tuple[str, ...]] = None) -> list[dict]:
+    """One result record per case of ``op`` and mode (the JSON schema's ``ops`` items);
+    te_lab's contenders limited to ``backends`` where given."""
     dtype_name = str(dtype).removeprefix("torch.")
     base = {"op": op, "dtype": dtype_name, "size": {"tokens": size.tokens, "hidden": size.hidden}}
     if op == "adamw":
-        contenders, infos, bytes_moved, count = adamw_contenders(device, dtype, size.hidden)
+        contenders, infos, bytes_moved, count = adamw_contenders(device, dtype, size.hidden, backends)
         title = f"AdamW step, {count / 1e6:.1f}M {dtype_name} parameters (one Llama layer of width {size.hidden})"
         progress(f"{title}")
         result = measure(contenders, infos, device, bytes_moved=bytes_moved, flops=None, ceilings=ceilings,
@@ -159,7 +166,7 @@ def run_op(op: str, size: Size, dtype: torch.dtype, modes: tuple[str, ...], devi
         return [{**base, "case": "adamw", "title": title, "mode": OPTIMIZER_MODE, **result}]
     records = []
     for case in op_cases(op, device, dtype, size):
-        functions = case_functions(case, device)
+        functions = case_functions(case, device, backends)
         upstream = upstream_gradients(case.baseline, case.inputs)
         for mode in modes:
             progress(f"{case.title} {dtype_name} {mode}")

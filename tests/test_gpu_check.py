@@ -91,3 +91,33 @@ def test_fused_adamw_triton_kernel_is_checked_against_torch_adamw():
         pytest.skip(devices.triton_unavailable_reason("cpu"))
     passed, triton_error, torch_error = gpu_check.check_adamw(torch.device("cpu"), torch.float32, [(16, 8), (8,)])
     assert passed and triton_error <= 2 * torch_error + 1e-5
+
+
+def test_timing_runs_the_suites_cases_with_te_labs_triton_backend_only(monkeypatch):
+    calls = []
+
+    def run_op(op, size, dtype, modes, device, *, ceilings, rounds, warmup, progress, backends):
+        calls.append((op, dtype, modes, backends))
+        if op == "glu":
+            raise RuntimeError("triton: out of shared memory")
+        return [{"op": op, "title": op, "contenders": []}]
+
+    monkeypatch.setattr(gpu_check.per_op, "run_op", run_op)
+    monkeypatch.setattr(gpu_check.environment, "describe", lambda device: {
+        "copy_bandwidth_gbs": 1.0, "peak": {"memory_bandwidth_gbs": 2.0, "fp32_tflops": None, "bf16_tflops": None}})
+    records = gpu_check.timing(torch.device("cpu"), gpu_check.Size(8, 512), rounds=2, warmup=1, progress=print)
+    assert [op for op, *_ in calls] == gpu_check.triton_ops() + ["adamw"]
+    assert {(dtype, modes, backends) for _, dtype, modes, backends in calls} == {
+        (torch.bfloat16, ("forward+backward",), ("triton",))}
+    (failed,) = [r for r in records if r.get("error")]
+    assert failed["op"] == "glu" and "out of shared memory" in failed["error"]
+    assert not gpu_check.stage_passed("timing", records)
+
+
+def test_te_lab_contenders_can_be_limited_to_some_backends():
+    from te_lab.benchmarks import per_op
+
+    cpu = torch.device("cpu")
+    every = [backend for backend, _ in per_op.te_lab_backends("layer_norm", cpu)]
+    assert len(every) > 1 and per_op.te_lab_backends("layer_norm", cpu, (every[-1],)) == [
+        (backend, auto) for backend, auto in per_op.te_lab_backends("layer_norm", cpu) if backend == every[-1]]
