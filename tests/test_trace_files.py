@@ -52,7 +52,7 @@ def test_every_fixture_opens_with_its_device_activity_figures_and_views(name, tm
     assert sum(row.count for row in table) == len(expected)
     assert sum(row.share for row in table) == pytest.approx(1.0)
     assert table == sorted(table, key=lambda row: -row.total_us)
-    page = trace.to_html(tmp_path / "trace.html").read_text()
+    page = te_lab.to_html(trace, tmp_path / "trace.html").read_text()
     assert "plotly" in page and html.escape(table[0].name) in page and "device busy" in page
     assert "device busy" in trace.summary()
 
@@ -100,6 +100,10 @@ def test_the_multi_stream_trace_counts_overlapping_streams_once():
 def test_the_rocm_trace_has_per_step_figures_and_no_guessed_occupancy():
     trace = te_lab.open_trace(DATA / "mi250-rocm-train.json.gz")
     assert [step.name for step in trace.steps] == ["ProfilerStep#1", "ProfilerStep#2"]
+    # the host's annotation, not its mirror on the device (gpu_user_annotation, 1 ms long)
+    (host_step,) = [e for e in raw_events("mi250-rocm-train") if e.get("cat") == "user_annotation"
+                    and e["name"] == "ProfilerStep#1"]
+    assert trace.steps[0].end_ns - trace.steps[0].start_ns == pytest.approx(host_step["dur"] * 1e3, abs=2)
     assert trace.figure("achieved occupancy") is None  # ROCm's kernels carry no occupancy field
     step_one = [k for k in trace.kernels if trace.steps[0].start_ns <= k.launched_ns <= trace.steps[0].end_ns]
     assert step_one and trace.figure("device busy", "ProfilerStep#1") == pytest.approx(
@@ -180,8 +184,8 @@ def test_open_trace_refuses_what_is_not_a_trace(tmp_path):
     with pytest.raises(ValueError, match="the file has no 'traceEvents' list"):
         te_lab.open_trace(tmp_path / "other.json")
     (tmp_path / "trace.json").write_text('{"traceEvents": []}')
-    with pytest.raises(ValueError, match="GpuTrace.to_html: path must end in .html"):
-        te_lab.open_trace(tmp_path / "trace.json").to_html(tmp_path / "trace.txt")
+    with pytest.raises(ValueError, match="te_lab.to_html: path must end in .html"):
+        te_lab.to_html(te_lab.open_trace(tmp_path / "trace.json"), tmp_path / "trace.txt")
 
 
 def test_profile_writes_every_profiled_step_of_each_mode_to_trace_dir(tmp_path):
@@ -214,7 +218,7 @@ def test_trace_dir_must_be_a_directory(tmp_path):
 
 
 def test_show_prints_the_summary_without_a_widget_frontend(capsys):
-    te_lab.open_trace(DATA / "a100-multi-stream-event-sync.json.gz").show()
+    te_lab.show(te_lab.open_trace(DATA / "a100-multi-stream-event-sync.json.gz"))
     printed = capsys.readouterr().out
     assert "a100-multi-stream-event-sync.json.gz: NVIDIA A100-PG509-200, 6 device activities on 3 stream(s)" \
         in printed and "ampere_sgemm_128x64_nn" in printed
@@ -228,7 +232,7 @@ def test_show_in_a_notebook_draws_the_timeline_figures_and_kernels(monkeypatch):
     monkeypatch.setattr(trace_view, "widget_frontend_available", lambda: True)
     monkeypatch.setattr("IPython.display.display", shown.append)
     trace = te_lab.open_trace(DATA / "mi250-rocm-train.json.gz")
-    trace.show()
+    te_lab.show(trace)
     (box,) = shown
     header, tabs = box.children
     timeline, figures, kernels = tabs.children

@@ -28,7 +28,7 @@ from typing import Optional
 
 from .attribution import BACKWARD_PREFIX, HostOp, LaunchIndex
 from .device_kernels import DeviceKernel, device_figures, device_kernels
-from .kineto import Activity, file_activities
+from .kineto import HOST_OP_KINDS, Activity, file_activities
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Figure, TimelineEvent
 
@@ -106,19 +106,6 @@ class GpuTrace:
     def __str__(self) -> str:
         return self.summary()
 
-    def show(self) -> None:
-        """The GPU views in a notebook; the text summary where no widget frontend runs."""
-        from te_lab.widgets.trace_view import show_trace  # widgets load only when asked for
-
-        show_trace(self)
-
-    def to_html(self, path) -> pathlib.Path:
-        """One self-contained HTML file (plotly.js inlined) with the timeline, the figures
-        and the kernel table."""
-        from te_lab.widgets.trace_view import write_trace_html
-
-        return write_trace_html(self, path)
-
 
 def read_trace_json(path) -> dict:
     """The JSON document of a ``.json`` or ``.json.gz`` trace file."""
@@ -186,8 +173,9 @@ def _queued_ns(kernel: DeviceKernel) -> int:
 
 
 def _steps(activities: list[Activity]) -> list[Step]:
+    # Host annotations only: Kineto mirrors annotations onto the device (gpu_user_annotation).
     steps = {a.name: Step(a.name, a.start_ns, a.end_ns) for a in activities
-             if not a.on_device and _STEP.match(a.name)}
+             if a.kind in HOST_OP_KINDS and _STEP.match(a.name)}
     return sorted(steps.values(), key=lambda s: s.start_ns)
 
 
@@ -205,7 +193,7 @@ def _timeline(kernels: list[DeviceKernel], activities: list[Activity]) -> list[T
     host interval its queuing call ran in."""
     context = []
     for activity in activities:
-        if activity.on_device:
+        if activity.kind not in HOST_OP_KINDS:
             continue
         if activity.name.startswith(BACKWARD_PREFIX):
             context.append(HostOp(activity.start_ns, activity.end_ns, "", "backward"))
