@@ -141,7 +141,7 @@ def open_trace(path, *, multiprocessors: Optional[int] = None) -> GpuTrace:
     if not kernels:
         trace.notes.append("the trace holds no device activity: it was recorded without CUDA / PrivateUse1 "
                            "activities, or CUPTI / MUPTI was unavailable")
-    if multiprocessors is None:
+    elif multiprocessors is None:
         trace.notes.append("the trace's deviceProperties give no numSms: SM efficiency is unknown (pass "
                            "multiprocessors=)")
     trace.figures = trace_figures(kernels, trace.steps, multiprocessors)
