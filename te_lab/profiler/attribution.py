@@ -71,7 +71,6 @@ class StepTrace:
     timeline: list = field(default_factory=list)
     launches: int = 0
     attributed_us: float = 0.0
-    op_us: float = 0.0  # all top-level op time
     peak_memory_bytes: Optional[int] = None
     kernels: list = field(default_factory=list)  # DeviceKernel, on GPUs
     communication_us: float = 0.0  # while collectives ran (te_lab.profiler.communication)
@@ -166,7 +165,6 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
         # On GPUs an op's time is its kernels' device time; its host time is mostly launch.
         duration_us = event.device_time_total if on_gpu else event.time_range.elapsed_us()
         trace.launches += launches
-        trace.op_us += duration_us
         recorded = kineto.get(event.id)
         if on_gpu and recorded is not None:
             host_ops[event.id] = HostOp(recorded.start_ns(), recorded.end_ns(), key or "", phase)

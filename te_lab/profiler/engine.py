@@ -428,7 +428,6 @@ def _median_run(runs: list[_Profiled]) -> _Profiled:
         region.forward_ms = statistics.median(r.forward_ms for r in others if r is not None)
         region.backward_ms = statistics.median(r.backward_ms for r in others if r is not None)
     first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
-    first.trace.op_us = statistics.median(run.trace.op_us for run in runs)
     first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
     return first

@@ -63,7 +63,7 @@ def show_trace(trace) -> None:
 def write_trace_html(trace, path) -> pathlib.Path:
     target = pathlib.Path(path)
     if target.suffix.lower() not in (".html", ".htm"):
-        raise ValueError(f"GpuTrace.to_html: path must end in .html, got {str(path)!r}")
+        raise ValueError(f"te_lab.to_html: path must end in .html, got {str(path)!r}")
     timeline = trace_timeline_figure(trace).to_html(full_html=False, include_plotlyjs=True)
     title = html.escape(f"te_lab trace: {trace.path}")
     target.write_text(f"""<!DOCTYPE html>
