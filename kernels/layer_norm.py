@@ -28,7 +28,8 @@ from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
-from .triton_support import HAS_TRITON, column_block, load_norm_input, num_warps_for, row_ranges, tl, triton
+from .triton_support import (HAS_TRITON, column_block, load_norm_input, norm_backward_warps, num_warps_for,
+                             row_ranges, tl, triton)
 
 NAME = "layer_norm"
 
@@ -133,7 +134,6 @@ if HAS_TRITON:
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
         tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(MEAN + row, mean)
 
     @triton.jit
     def _layer_norm_forward_kernel(X, R, W, B, Y, H, MEAN, RSTD, x_stride, r_stride, n_cols, eps,
@@ -171,9 +171,9 @@ if HAS_TRITON:
                                        ACC)
                 centered = tl.where(start + cols < n_cols, hf - mean, 0.0)
                 _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, start + cols, HAS_WEIGHT, HAS_BIAS, ACC)
+        tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)
 
-    @triton.jit
     @triton.jit
     def _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, cols, HAS_WEIGHT: tl.constexpr,
                                    ACC: tl.constexpr):
@@ -196,6 +196,7 @@ if HAS_TRITON:
             dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
         tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
+    @triton.jit
     def _layer_norm_backward_kernel(DY, DH, H, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols,
                                     rows_per_program, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
@@ -293,7 +294,7 @@ class _Triton:
                 dy, dh, h, weight, mean, rstd, dx, dw_partial, db_partial, rows, n,
                 rows_per_program, HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
                 NEED_DW=need_dw, NEED_DB=need_db,
-                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=norm_backward_warps(block))
         return (dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None,
                 db_partial.sum(0).to(bias.dtype) if need_db else None)
 

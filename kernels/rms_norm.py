@@ -27,7 +27,8 @@ from .compiled import inductor_compiled
 from .costs.rms_norm import COSTS
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
-from .triton_support import HAS_TRITON, column_block, load_norm_input, num_warps_for, row_ranges, tl, triton
+from .triton_support import (HAS_TRITON, column_block, load_norm_input, norm_backward_warps, num_warps_for,
+                             row_ranges, tl, triton)
 
 NAME = "rms_norm"
 
@@ -113,7 +114,6 @@ if HAS_TRITON:
         if HAS_WEIGHT:
             y = y * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
         tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + row, rstd)
 
     @triton.jit
     def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, n_cols, eps, offset,
@@ -139,8 +139,8 @@ if HAS_TRITON:
                 hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, False,
                                      ACC)
                 _rms_norm_output(W, Y, hf, rstd, row, n_cols, start + cols, offset, HAS_WEIGHT, ACC)
+        tl.store(RSTD + row, rstd)
 
-    @triton.jit
     @triton.jit
     def _rms_norm_backward_terms(DY, H, W, rstd, start, n_cols, cols, offset, HAS_WEIGHT: tl.constexpr,
                                  ACC: tl.constexpr):
@@ -162,6 +162,7 @@ if HAS_TRITON:
             dx += tl.load(DH + start + cols, mask=mask, other=0.0).to(ACC)
         tl.store(DX + start + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
+    @triton.jit
     def _rms_norm_backward_kernel(DY, DH, H, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
                                   offset, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                   ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
@@ -239,7 +240,7 @@ class _Triton:
             _rms_norm_backward_kernel[(programs,)](
                 dy, dh, h, weight, rstd, dx, partial, rows, n, rows_per_program, offset,
                 HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
-                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
+                ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=norm_backward_warps(block))
         dw = partial.sum(0).to(weight.dtype) if need_dw else None
         return dx, dw
 

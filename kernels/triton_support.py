@@ -55,8 +55,16 @@ def column_block(n: int) -> int:
     return min(1 << max(n - 1, 0).bit_length(), MAX_COLUMN_BLOCK)
 
 
-def num_warps_for(block: int) -> int:
-    return min(max(block // 256, 1), 16)
+def num_warps_for(block: int, most: int = 16) -> int:
+    """One warp per 256 elements of ``block``, between 1 and ``most`` (32 is a GPU's limit)."""
+    return min(max(block // 256, 1), most)
+
+
+def norm_backward_warps(block: int) -> int:
+    """Warps for a norm's backward over ``block`` columns, up to 32: with 16 at 8192 columns
+    ptxas settles on 64 registers and spills (sm_80, half precision); 32 hold 8 columns
+    per thread without spilling."""
+    return num_warps_for(block, most=32)
 
 
 # The GPU that launches made through the interpreter stand for, set by
