@@ -1,7 +1,7 @@
 """The Triton launches te_lab's ops make, recorded on the CPU.
 
 Under ``TRITON_INTERPRET=1`` every ``kernel[grid](...)`` goes through the interpreter's
-``InterpretedFunction.run``; :func:`recording_launches` replaces it for a while with one that
+``InterpretedFunction``; :func:`recording_launches` replaces its launcher for a while with one that
 writes down what a GPU compile depends on (the kernel, each argument as Triton specializes
 it: tensors by dtype and 16-byte alignment, integers by value, constexprs, the launch options)
 and skips running the kernel, so ops run at real model sizes in seconds. The launch wrappers
@@ -119,17 +119,21 @@ def recording_launches(multiprocessors: int = DEFAULT_MULTIPROCESSORS, execute: 
     from te_lab.kernels.triton_support import standing_for_gpu
 
     log = LaunchLog()
-    interpreted_run = interpreter.InterpretedFunction.run
+    # kernel[grid] is InterpretedFunction.__getitem__ in Triton 3.2 and 3.9 alike (3.9 then
+    # calls .run, which 3.2's instances do not have as a method)
+    launcher_for = interpreter.InterpretedFunction.__getitem__
 
-    def logging_run(self, *args, grid, warmup, **kwargs):
-        log.add(self.fn, args, dict(kwargs), grid)
-        if execute:
-            return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return None
+    def logging_launcher_for(self, grid):
+        launch = launcher_for(self, grid)
 
-    interpreter.InterpretedFunction.run = logging_run
+        def logged_launch(*args, **kwargs):
+            log.add(self.fn, args, dict(kwargs), grid)
+            return launch(*args, **kwargs) if execute else None
+        return logged_launch
+
+    interpreter.InterpretedFunction.__getitem__ = logging_launcher_for
     try:
         with standing_for_gpu(multiprocessors):
             yield log
     finally:
-        interpreter.InterpretedFunction.run = interpreted_run
+        interpreter.InterpretedFunction.__getitem__ = launcher_for

@@ -27,7 +27,6 @@ head_dim is padded to a power of two inside the kernels; rows of any length are 
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -39,9 +38,9 @@ from te_lab import device as devices
 from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .costs.attention import COSTS
-from .precision import compute_dtype
+from .precision import compute_dtype, float32_matmul_allows_tf32
 from .registry import FusedOp, forced_backend, aten_kernel_exists, register_op, select_backend
-from .triton_support import HAS_TRITON, tl, triton
+from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "attention"
 
@@ -207,7 +206,7 @@ if HAS_TRITON:
             q_sb, q_sh, q_sm, q_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
             mask_sb, mask_sh, mask_sm, mask_sn,
             heads_q, group, seq_q, seq_k, head_dim, scale,
-            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         start_m = tl.program_id(0)
         batch_head = tl.program_id(1).to(tl.int64)
@@ -235,7 +234,7 @@ if HAS_TRITON:
             col_in = cols < seq_k
             kt = tl.load(k_base + cols[None, :] * k_sn + dims[:, None] * k_sd,
                          mask=dim_in[:, None] & col_in[None, :], other=0.0).to(DOT)
-            s = tl.dot(q, kt, input_precision="ieee") * scale
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale
             s = _mask_scores(s, rows[:, None], cols[None, :], seq_q, seq_k, MASK, mask_offset, mask_sm, mask_sn,
                              CAUSAL, MASK_KIND)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -246,7 +245,7 @@ if HAS_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             vb = tl.load(v_base + cols[:, None] * v_sn + dims[None, :] * v_sd,
                          mask=col_in[:, None] & dim_in[None, :], other=0.0).to(DOT)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vb, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vb, input_precision=PRECISION)
             m_i = m_new
         attended = l_i > 0.0
         out = acc / tl.where(attended, l_i, 1.0)[:, None]
@@ -280,7 +279,7 @@ if HAS_TRITON:
             q_sb, q_sh, q_sm, q_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
             mask_sb, mask_sh, mask_sm, mask_sn, do_sb, do_sh, do_sm, do_sd,
             heads_kv, group, seq_q, seq_k, head_dim, scale,
-            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """One block of keys of one key/value head; walks every query of its head group."""
         start_n = tl.program_id(0)
@@ -311,7 +310,7 @@ if HAS_TRITON:
                 row_in = rows < seq_q
                 qt = tl.load(q_base + rows[None, :] * q_sm + dims[:, None] * q_sd,
                              mask=dim_in[:, None] & row_in[None, :], other=0.0).to(DOT)
-                st = tl.dot(kb, qt, input_precision="ieee") * scale
+                st = tl.dot(kb, qt, input_precision=PRECISION) * scale
                 st = _mask_scores(st, rows[None, :], cols[:, None], seq_q, seq_k, MASK, mask_offset, mask_sm, mask_sn,
                                   CAUSAL, MASK_KIND)
                 # clamped, not masked: Triton 3.2 miscompiles a masked load here (fp32 inputs:
@@ -322,11 +321,11 @@ if HAS_TRITON:
                 pt = tl.exp(st - lse[None, :])
                 dout = tl.load(do_base + rows[:, None] * do_sm + dims[None, :] * do_sd,
                                mask=row_in[:, None] & dim_in[None, :], other=0.0).to(DOT)
-                dv += tl.dot(pt.to(DOT), dout, input_precision="ieee")
-                dpt = tl.dot(vb, tl.trans(dout), input_precision="ieee")
+                dv += tl.dot(pt.to(DOT), dout, input_precision=PRECISION)
+                dpt = tl.dot(vb, tl.trans(dout), input_precision=PRECISION)
                 delta = tl.load(DELTA + stats)
                 dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(DOT), tl.trans(qt), input_precision="ieee")
+                dk += tl.dot(dst.to(DOT), tl.trans(qt), input_precision=PRECISION)
         out_offsets = ((batch * seq_k + cols[:, None]) * heads_kv + kv_head) * head_dim + dims[None, :]
         tl.store(DK + out_offsets, (dk * scale).to(DK.dtype.element_ty), mask=kv_inside)
         tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=kv_inside)
@@ -337,7 +336,7 @@ if HAS_TRITON:
             q_sb, q_sh, q_sm, q_sd, k_sb, k_sh, k_sn, k_sd, v_sb, v_sh, v_sn, v_sd,
             mask_sb, mask_sh, mask_sm, mask_sn, do_sb, do_sh, do_sm, do_sd,
             heads_q, group, seq_q, seq_k, head_dim, scale,
-            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         start_m = tl.program_id(0)
         batch_head = tl.program_id(1).to(tl.int64)
@@ -370,13 +369,13 @@ if HAS_TRITON:
                          mask=dim_in[:, None] & col_in[None, :], other=0.0).to(DOT)
             vt = tl.load(v_base + cols[None, :] * v_sn + dims[:, None] * v_sd,
                          mask=dim_in[:, None] & col_in[None, :], other=0.0).to(DOT)
-            s = tl.dot(q, kt, input_precision="ieee") * scale
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale
             s = _mask_scores(s, rows[:, None], cols[None, :], seq_q, seq_k, MASK, mask_offset, mask_sm, mask_sn,
                              CAUSAL, MASK_KIND)
             p = tl.exp(s - lse[:, None])
-            dp = tl.dot(dout, vt, input_precision="ieee")
+            dp = tl.dot(dout, vt, input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(DOT), tl.trans(kt), input_precision="ieee")
+            dq += tl.dot(ds.to(DOT), tl.trans(kt), input_precision=PRECISION)
         tl.store(DQ + ((batch * seq_q + rows[:, None]) * heads_q + head) * head_dim + dims[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=q_inside)
 
@@ -396,9 +395,16 @@ def _triton_refusal(q: Tensor, dropout_p: float) -> Optional[str]:
 def _dot_dtype(x: Tensor):
     """The dtype the kernels feed tl.dot: the input's own, except bf16 under Triton's
     interpreter, whose dot multiplies bf16 bit patterns as integers; fp32 there is exact."""
-    if x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if x.dtype == torch.bfloat16 and interpreter_dtypes():
         return tl.float32
     return getattr(tl, _TRITON_DTYPES[x.dtype])
+
+
+def _dot_precision(x: Tensor) -> str:
+    """tl.dot's input_precision: float32 inputs multiply in TF32 on tensor cores where
+    torch's float32 matmul precision allows it (as SDPA's kernels do), in IEEE float32
+    otherwise; half-precision inputs multiply exactly either way."""
+    return "tf32" if x.dtype == torch.float32 and float32_matmul_allows_tf32() else "ieee"
 
 
 def _triton_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -439,7 +445,7 @@ class _Triton:
             _attention_forward_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
                 q, k, v, mask, out, lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
                 heads_q, heads_q // k.shape[1], seq_q, seq_k, head_dim, scale,
-                CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q),
+                CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
                 BLOCK_M=outer, BLOCK_N=inner, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8,
                 num_stages=_NUM_STAGES)
         return out, lse
@@ -453,7 +459,8 @@ class _Triton:
         delta = torch.empty_like(lse)
         dq, dk, dv = _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)
         strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *dout.stride())
-        options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), BLOCK_D=block_d,
+        options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
+                       BLOCK_D=block_d,
                        num_warps=4 if block_d <= 64 else 8, num_stages=_NUM_STAGES)
         with devices.device_guard(q.device):
             _attention_delta_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](

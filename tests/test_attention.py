@@ -5,6 +5,7 @@ of every program runs in numpy. They still cover several query and key blocks, p
 blocks, and head dims that are not powers of two.
 """
 
+import contextlib
 import importlib
 import math
 
@@ -148,6 +149,90 @@ def test_forward_and_gradients_match_reference(backend, dtype, batch, heads_q, h
             _assert_as_accurate(g, w, e, dtype, backend)
         else:
             assert_close(g, w, dtype, backend)
+
+
+@contextlib.contextmanager
+def _exact_bf16_dot_in_the_interpreter():
+    """Triton's interpreter keeps bf16 as its uint16 bit pattern and tl.dot multiplies those
+    as integers; widening them to float32 first (exact: bf16 is float32's upper half) gives
+    what a GPU's bf16 tensor cores compute, float32 products accumulated in float32."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    integer_dot = builder.create_dot
+
+    def widened(operand):
+        if operand.dtype.scalar.name != "bf16":
+            return operand
+        as_float32 = (operand.data.astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(as_float32, interpreter.tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return integer_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = integer_dot
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(not TRITON or not interpreted("triton"), reason="needs the triton backend through the interpreter")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal, mask_kind", [CASES[2], CASES[7]])
+def test_bf16_tensor_core_branch(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, causal, mask_kind):
+    """What GPUs run for bf16: q, k, v and the rounded P and dS fed to tl.dot in bf16 (the
+    interpreter otherwise gets float32 operands, see _dot_dtype), launched as a GPU would
+    launch them and computed as its tensor cores would."""
+    from te_lab.benchmarks.kernel_launches import recording_launches
+
+    q, k, v, mask = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, mask_kind, torch.bfloat16)
+    with _exact_bf16_dot_in_the_interpreter(), recording_launches(execute=True) as log:
+        got = _run(attention, q, k, v, causal=causal, mask=mask, backend="triton")
+    dot_dtypes = {record["kernel"].split(":")[1]: record["arguments"]["DOT"]["name"]
+                  for record in log.records.values() if "DOT" in record["arguments"]}
+    assert dot_dtypes == {name: "bf16" for name in ("_attention_forward_kernel", "_attention_dkdv_kernel",
+                                                    "_attention_dq_kernel")}
+    want = _run(attention_reference, q, k, v, causal=causal, mask=mask)
+    exact = _run(attention_reference, q.double(), k.double(), v.double(), torch.bfloat16, causal=causal, mask=mask)
+    assert_close(got[0], want[0], torch.bfloat16, "triton")
+    for g, w, e in zip(got[1:], want[1:], exact[1:]):
+        _assert_as_accurate(g, w, e, torch.bfloat16, "triton")
+
+
+@contextlib.contextmanager
+def _tf32_float32_matmuls():
+    """torch's float32 matmuls allowed TF32 for a while (the spelling of the torch in use)."""
+    matmul = torch.backends.cuda.matmul
+    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, saved)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(not TRITON or not interpreted("triton"), reason="needs the triton backend through the interpreter")
+def test_float32_dots_follow_torch_matmul_precision():
+    """As SDPA's kernels on GPUs: float32 attention multiplies in TF32 where torch's float32
+    matmul precision allows it and in IEEE float32 otherwise; bf16 is exact either way."""
+    from te_lab.benchmarks.kernel_launches import recording_launches
+
+    def precisions(dtype):
+        q, k, v, _ = _inputs(1, 2, 2, 16, 16, 32, None, dtype)
+        with recording_launches() as log:  # launches recorded, not run: only their arguments matter
+            _run(attention, q, k, v, causal=True, backend="triton")
+        return {record["arguments"]["PRECISION"]["value"]
+                for record in log.records.values() if "PRECISION" in record["arguments"]}
+
+    assert precisions(torch.float32) == {"ieee"}
+    with _tf32_float32_matmuls():
+        assert precisions(torch.float32) == {"tf32"}
+        assert precisions(torch.bfloat16) == {"ieee"}
+    assert precisions(torch.float32) == {"ieee"}
 
 
 @pytest.mark.parametrize("path", [
