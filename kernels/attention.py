@@ -39,6 +39,8 @@ from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_au
 from .checks import check_tensor
 from .costs.attention import COSTS
 from .precision import compute_dtype, float32_matmul_allows_tf32
+from .custom_ops import custom_op
+from .precision import compute_dtype
 from .registry import FusedOp, forced_backend, aten_kernel_exists, register_op, select_backend
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
@@ -495,7 +497,7 @@ ATTENTION = register_op(FusedOp(
 
 # ---- the torch.library custom ops: what torch.compile and the profiler see ----
 
-@torch.library.custom_op("te_lab::attention", mutates_args=())
+@custom_op("te_lab::attention")
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float,
                   backend: str) -> tuple[Tensor, Tensor]:
     out, lse = _IMPLEMENTATIONS[backend].forward(q, k, v, mask, causal, scale)
@@ -507,7 +509,7 @@ def _(q, k, v, mask, causal, scale, backend):
     return _seq_major_empty(q.shape, q), _seq_major_empty(q.shape[:-1], q, compute_dtype(q))
 
 
-@torch.library.custom_op("te_lab::attention_backward", mutates_args=())
+@custom_op("te_lab::attention_backward")
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                            lse: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     grads = _IMPLEMENTATIONS[backend].backward(dout, q, k, v, mask, out, lse, causal, scale)

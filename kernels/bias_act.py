@@ -28,6 +28,7 @@ from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .costs.bias_act import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, reduction_programs, tl, triton
@@ -224,7 +225,7 @@ BIAS_ACT = register_op(FusedOp(
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("te_lab::bias_act", mutates_args=())
+@custom_op("te_lab::bias_act")
 def _bias_act_op(x: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(x.reshape(-1, x.shape[-1]), bias, activation)
     return y.contiguous().view(x.shape)
@@ -235,7 +236,7 @@ def _(x, bias, activation, backend):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("te_lab::bias_act_backward", mutates_args=())
+@custom_op("te_lab::bias_act_backward")
 def _bias_act_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], activation: str,
                           need_dbias: bool, backend: str) -> tuple[Tensor, Tensor]:
     n = x.shape[-1]

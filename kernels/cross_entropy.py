@@ -36,6 +36,7 @@ from .autocast import register_autocast_rule
 from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
 from .compiled import inductor_compiled
 from .costs.cross_entropy import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -223,7 +224,7 @@ CROSS_ENTROPY = register_op(FusedOp(
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("te_lab::cross_entropy", mutates_args=())
+@custom_op("te_lab::cross_entropy")
 def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
                       z_loss: float, compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
     """Per-token losses of logits [tokens, vocab] and, when ``compute_grad``, their gradient
@@ -240,7 +241,7 @@ def _(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backe
     return logits.new_empty(logits.shape[0], dtype=compute_dtype(logits)), grad
 
 
-@torch.library.custom_op("te_lab::cross_entropy_backward", mutates_args=())
+@custom_op("te_lab::cross_entropy_backward")
 def _cross_entropy_backward_op(grad_logits: Tensor, dloss: Tensor) -> Tensor:
     """The stored gradient scaled by each token's upstream gradient: one multiply, the
     same on every backend (an elementwise ATen kernel is already a single pass)."""

@@ -36,6 +36,7 @@ from .checks import check_label_tensor, check_labels_in_range, check_tensor
 from .costs.fused_linear_cross_entropy import COSTS
 from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
                             cross_entropy_reference, mean_over_labelled)
+from .custom_ops import custom_op
 from .linear import matmul_nt, runs_on_onednn
 from .precision import compute_dtype
 from .registry import FusedOp, register_op, select_backend
@@ -144,7 +145,7 @@ def _or_empty(tensor: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY) if tensor is None else tensor
 
 
-@torch.library.custom_op("te_lab::fused_linear_cross_entropy", mutates_args=())
+@custom_op("te_lab::fused_linear_cross_entropy")
 def _fused_linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                                    ignore_index: int, label_smoothing: float, z_loss: float, summed: bool,
                                    chunk_size: int, need_hidden: bool, need_weight: bool, need_bias: bool,
@@ -172,7 +173,7 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summe
             bias.new_empty(bias.shape, dtype=loss.dtype) if summed and need_bias else weight.new_empty(_EMPTY))
 
 
-@torch.library.custom_op("te_lab::fused_linear_cross_entropy_backward", mutates_args=())
+@custom_op("te_lab::fused_linear_cross_entropy_backward")
 def _fused_linear_cross_entropy_backward_op(
         dloss: Tensor, grad_hidden: Optional[Tensor], grad_weight: Optional[Tensor], grad_bias: Optional[Tensor],
         hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], labels: Optional[Tensor],

@@ -26,6 +26,7 @@ from .autocast import register_autocast_rule
 from .checks import check_choice, check_like, check_tensor
 from .compiled import inductor_compiled
 from .costs.glu import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -207,7 +208,7 @@ def _output_shape(gate: Tensor, up: Optional[Tensor]):
     return gate.shape if up is not None else gate.shape[:-1] + (gate.shape[-1] // 2,)
 
 
-@torch.library.custom_op("te_lab::glu", mutates_args=())
+@custom_op("te_lab::glu")
 def _glu_op(gate: Tensor, up: Optional[Tensor], activation: str, backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(_rows(gate), None if up is None else _rows(up), activation)
     return y.view(_output_shape(gate, up))
@@ -218,7 +219,7 @@ def _(gate, up, activation, backend):
     return gate.new_empty(_output_shape(gate, up))
 
 
-@torch.library.custom_op("te_lab::glu_backward", mutates_args=())
+@custom_op("te_lab::glu_backward")
 def _glu_backward_op(dy: Tensor, gate: Tensor, up: Optional[Tensor], activation: str,
                      backend: str) -> tuple[Tensor, Tensor]:
     """(dgate, dup); for a concatenated gate-up input (``up`` None) the first is the

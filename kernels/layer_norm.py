@@ -26,6 +26,7 @@ from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_r
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import (HAS_TRITON, column_block, load_norm_input, norm_backward_warps, num_warps_for,
@@ -321,7 +322,7 @@ LAYER_NORM = register_op(FusedOp(
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("te_lab::layer_norm", mutates_args=())
+@custom_op("te_lab::layer_norm")
 def _layer_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n = x.shape[-1]
@@ -339,7 +340,7 @@ def _(x, residual, weight, bias, eps, backend):
     return x.new_empty(x.shape), h, stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("te_lab::layer_norm_backward", mutates_args=())
+@custom_op("te_lab::layer_norm_backward")
 def _layer_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
                             bias: Optional[Tensor], mean: Tensor, rstd: Tensor, need_dw: bool,
                             need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:

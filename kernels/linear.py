@@ -29,11 +29,18 @@ from torch import Tensor
 from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .costs.linear import COSTS
+from .custom_ops import custom_op
 from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
 
 NAME = "linear"
-# What oneDNN's inner product takes on every x86 CPU (float16 needs AVX512-FP16 or AMX).
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+@functools.lru_cache(maxsize=None)
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """What oneDNN's inner product takes on this CPU: float32 always, bfloat16 where the
+    CPU has the instructions (AVX512-BF16 or AMX; not on AVX2-only CPUs), float16 never
+    here (it needs AVX512-FP16)."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
 _EMPTY = (0,)
 
 
@@ -100,7 +107,7 @@ LINEAR = register_op(FusedOp(
 
 # ---- the torch.library custom ops: what torch.compile and the profiler see ----
 
-@torch.library.custom_op("te_lab::linear", mutates_args=())
+@custom_op("te_lab::linear")
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -111,7 +118,7 @@ def _(x, weight, bias, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("te_lab::linear_backward", mutates_args=())
+@custom_op("te_lab::linear_backward")
 def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool,
                         backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = _IMPLEMENTATIONS[backend].backward(
@@ -183,9 +190,10 @@ def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
     dtype = LIKE_LINEAR.cast_dtype(x.device.type) or x.dtype
     forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(LINEAR)
     if forced == "native":
-        if dtype not in _ONEDNN_DTYPES:
+        if dtype not in _onednn_dtypes():
             raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run its GEMMs in {dtype}: "
-                             f"oneDNN takes float32 or bfloat16")
+                             f"oneDNN takes {' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} "
+                             f"on this CPU")
         return chosen
     return chosen if dtype == torch.float32 else "reference"
 

@@ -25,6 +25,7 @@ from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_r
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.rms_norm import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import (HAS_TRITON, column_block, load_norm_input, norm_backward_warps, num_warps_for,
@@ -264,7 +265,7 @@ RMS_NORM = register_op(FusedOp(
 _EMPTY = (0,)
 
 
-@torch.library.custom_op("te_lab::rms_norm", mutates_args=())
+@custom_op("te_lab::rms_norm")
 def _rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                  weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     n = x.shape[-1]
@@ -281,7 +282,7 @@ def _(x, residual, weight, eps, weight_offset, backend):
     return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1].numel(), dtype=compute_dtype(x))
 
 
-@torch.library.custom_op("te_lab::rms_norm_backward", mutates_args=())
+@custom_op("te_lab::rms_norm_backward")
 def _rms_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
                           rstd: Tensor, weight_offset: float, need_dw: bool,
                           backend: str) -> tuple[Tensor, Tensor]:

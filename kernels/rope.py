@@ -38,6 +38,7 @@ from .autocast import register_autocast_rule
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .costs.rope import COSTS
+from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -326,7 +327,7 @@ def _empty_outputs(q: Tensor, k: Tensor, layout: str):
     return tuple(outputs)
 
 
-@torch.library.custom_op("te_lab::rope", mutates_args=())
+@custom_op("te_lab::rope")
 def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
              backend: str) -> tuple[Tensor, Tensor]:
     return _rotate_in_memory_layout("forward", q, k, cos, sin, interleaved, layout, backend)
@@ -337,7 +338,7 @@ def _(q, k, cos, sin, interleaved, layout, backend):
     return _empty_outputs(q, k, layout)
 
 
-@torch.library.custom_op("te_lab::rope_backward", mutates_args=())
+@custom_op("te_lab::rope_backward")
 def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
                       layout: str, backend: str) -> tuple[Tensor, Tensor]:
     return _rotate_in_memory_layout("backward", dq, dk, cos, sin, interleaved, layout, backend)
