@@ -6,19 +6,22 @@ wrappers (the op object, a generated autograd kernel that re-fills defaults and
 re-dispatches, the backend wrapper, a Dynamo-disabling decorator), which on a 2-core
 CPU cost more than a fused RMSNorm over 64 x 64 computes. :func:`custom_op` here is a
 drop-in for the functional ops: the same decorator, ``register_fake`` and
-``register_autograd``, on an op defined with ``torch.library.Library`` directly, whose
-eager calls go straight to the implementation:
+``register_autograd``, on an op defined with ``torch.library.Library`` directly. An eager
+call on plain tensors goes straight to the implementation:
 
 - with gradients needed, through one ``torch.autograd.Function`` named after the op
-  (``te_lab::<name>``, so a profile shows the op's name, inputs and sequence number on
-  it, and its backward's ops under its autograd node), whose forward calls the op below
-  autograd;
-- without, the op itself, below autograd.
+  (``te_lab::<name>``: a profile shows the op's name, its inputs' shapes and the sequence
+  number that links it to its backward, as it does for a dispatched op), whose forward
+  runs the implementation;
+- without, the implementation itself; while a profiler runs, the op through the
+  dispatcher instead, so that the profile records it.
 
-Where the dispatcher must order things (an autocast region casts before autograd
-records; torch.compile traces the op as a unit), the call goes through the dispatcher
-instead, to an autograd kernel that applies the same Function. Ops that mutate their
-arguments keep ``torch.library.custom_op``: they need its version-counter bookkeeping.
+Everything else goes through the dispatcher, to an autograd kernel that applies an
+equivalent Function: torch.compile's tracing (the op stays one node), autocast regions
+(autocast casts before autograd records), ``TorchDispatchMode``s (selective
+checkpointing policies, fake tensors, FLOP counters see ``te_lab::<name>``) and tensor
+subclasses. Ops that mutate their arguments keep ``torch.library.custom_op``: they need
+its version-counter bookkeeping.
 """
 
 from __future__ import annotations
@@ -39,6 +42,27 @@ def _needs_grad(args) -> bool:
     return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _runs_directly(args) -> bool:
+    """Whether an eager call may skip the dispatcher (see the module doc)."""
+    return not (torch.compiler.is_compiling() or _any_autocast_enabled() or torch._C._len_torch_dispatch_stack()
+                or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args))
+
+
+def _profiling() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def _function(name: str, forward: Callable, backward: Callable) -> type:
+    function = type(name, (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    # Its autograd node is not an op: profiles attribute the backward's ops under it.
+    function._backward_cls.__name__ = f"{name.replace('te_lab::', 'TeLab_')}_backward_node"
+    return function
+
+
 class CustomOp:
     """``te_lab::<name>``: call it like the function it was defined from."""
 
@@ -49,7 +73,8 @@ class CustomOp:
         _LIBRARY.define(self.name + torch.library.infer_schema(fn, mutates_args=()))
         _LIBRARY.impl(self.name, fn, "CompositeExplicitAutograd")
         self.op: torch._ops.OpOverload = getattr(torch.ops.te_lab, self.name).default
-        self._function: Optional[type] = None
+        self._impl = fn
+        self._direct_function: Optional[type] = None
         self.__wrapped__ = fn
 
     def register_fake(self, fn: Callable) -> Callable:
@@ -59,36 +84,38 @@ class CustomOp:
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)``, as for
         ``torch.library.custom_op``."""
-        op = self.op
+        op, impl = self.op, self._impl
 
-        def forward(ctx, *args):
+        def direct_forward(ctx, *args):
+            output = impl(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        def dispatched_forward(ctx, *args):
             with torch._C._AutoDispatchBelowAutograd():
                 output = op(*args)
             setup_context(ctx, args, output)
             return output
 
-        # The class name is what profiles show for the forward: the op's own name.
-        function = type(f"te_lab::{self.name}", (torch.autograd.Function,),
-                        {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-        # Its autograd node is not an op (profiles attribute the backward ops under it).
-        function._backward_cls.__name__ = f"TeLab_{self.name}_backward_node"
-        self._function = function
+        self._direct_function = _function(f"te_lab::{self.name}", direct_forward, backward)
+        # Reached through the dispatcher, whose record of the op already bears its name.
+        dispatched = _function(f"TeLab_{self.name}", dispatched_forward, backward)
 
         def autograd_kernel(keyset, *args):
             if _needs_grad(args):
-                return function.apply(*args)
+                return dispatched.apply(*args)
             with torch._C._AutoDispatchBelowAutograd():
                 return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
         _LIBRARY.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling() or _any_autocast_enabled():
-            return self.op(*args)
-        if self._function is not None and _needs_grad(args):
-            return self._function.apply(*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return self.op(*args)
+        if _runs_directly(args):
+            if self._direct_function is not None and _needs_grad(args):
+                return self._direct_function.apply(*args)
+            if not _profiling():
+                return self._impl(*args)
+        return self.op(*args)
 
 
 def custom_op(qualname: str, *, mutates_args: tuple = ()) -> Callable[[Callable], CustomOp]:

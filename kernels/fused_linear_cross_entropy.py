@@ -81,7 +81,7 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     beats the BLAS); the first chunk writes the weight gradient, so it needs no zeros, and
     later chunks add to it in place."""
     chunk_cross_entropy = CHUNK_IMPLEMENTATIONS[backend]
-    onednn = runs_on_onednn(hidden)
+    onednn = runs_on_onednn(hidden[:chunk_size], weight)
 
     def product(a: Tensor, b: Tensor, bias_: Optional[Tensor] = None) -> Tensor:  # a @ b^T
         return matmul_nt(a, b, bias_) if onednn else F.linear(a, b, bias_)

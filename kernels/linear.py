@@ -1,18 +1,18 @@
 """Linear projections, ``y = x @ weight^T + bias``, on the CPU's faster GEMM library.
 
 PyTorch runs a float32 ``F.linear`` on the CPU through its BLAS, MKL in the x86 wheels.
-MKL runs its fastest kernels on Intel CPUs only; on this project's AMD EPYC (Zen 5)
-machines oneDNN's float32 GEMM, which PyTorch ships for its mkldnn ops, ran every
-product of a Llama training step's projections about 2x faster (1 thread, 512 tokens:
-768 -> 2048 forward 48.7 -> 23.0 ms, dx 48.8 -> 26.2 ms, dW 49.1 -> 25.7 ms; the
-16000-wide LM head 256 -> 104 ms), in float32 throughout.
+Which of MKL and oneDNN (whose GEMMs PyTorch ships for its mkldnn ops) is faster depends
+on the machine and the sizes, not on the vendor: on one AMD EPYC (AVX-512) oneDNN ran
+every product of a Llama training step's projections about 2x faster (1 thread, 512
+tokens: 768 -> 2048 forward 48.7 -> 23.0 ms), on another AMD EPYC it ran at 0.73x MKL for
+256 -> 256 and 1.19x for 768 -> 2048.
 
 Backends: ``native`` runs all three products of a projection on oneDNN
 (``mkldnn::_linear_pointwise``: ``a @ b^T`` of dense tensors, transposed views read in
 place, no copies); ``reference`` is ``F.linear`` with its own autograd. Backward: the
 products ``F.linear``'s autograd computes, dx = dy @ W, dW = dy^T @ x, db = rows of dy
-summed. Chosen automatically only where it was measured to pay: float32 inputs on a CPU
-whose vendor is not Intel. Which projections are worth a custom op's dispatch (~50 us
+summed. Chosen automatically only where it measured faster on this machine, for float32
+inputs, per class of sizes (:mod:`te_lab.kernels.measured_choice`). Which projections are worth a custom op's dispatch (~50 us
 forward and backward) is the caller's call: te_lab's twins route the large ones here
 (:mod:`te_lab.modules.projection`).
 """
@@ -30,6 +30,7 @@ from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .costs.linear import COSTS
 from .custom_ops import custom_op
+from .measured_choice import choose, size_class
 from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
 
 NAME = "linear"
@@ -59,25 +60,31 @@ def _native_supports(device_type: str) -> bool:
             and aten_kernel_exists("mkldnn::_linear_pointwise", "cpu"))
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_vendor() -> str:
-    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+def _sample_products(tokens: int, in_features: int, out_features: int, dtype: torch.dtype):
+    """A projection's three products (forward, dx, dW) on each library, on constant inputs
+    of the given sizes (the caller's RNG and tensors are left alone)."""
+    x = torch.full((tokens, in_features), 0.01, dtype=dtype)
+    weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
+    dy = torch.full((tokens, out_features), 0.01, dtype=dtype)
+
+    def onednn():
+        matmul_nt(x, weight), matmul_nt(dy, weight.t()), matmul_nt(dy.t(), x.t())
+
+    def blas():
+        F.linear(x, weight), torch.mm(dy, weight), torch.mm(dy.t(), x)
+
+    return {"native": onednn, "reference": blas}
 
 
-def onednn_beats_blas() -> bool:
-    """Whether float32 projections run faster on oneDNN than on torch's BLAS here: where
-    the BLAS is MKL on a CPU that is not Intel's (measured on AMD EPYC; on Intel CPUs MKL
-    runs its own best kernels and stays the default)."""
-    return (_native_supports("cpu") and torch.backends.mkl.is_available()
-            and _cpu_vendor() not in ("", "GenuineIntel"))
+def onednn_is_faster(tokens: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Whether a projection of these sizes runs its products faster on oneDNN than on
+    torch's BLAS on this machine: measured once per class of sizes (powers of two) and
+    cached per machine (:mod:`te_lab.kernels.measured_choice`)."""
+    shape_class = (str(dtype).split(".")[-1],) + tuple(
+        size_class(size) for size in (tokens, in_features, out_features))
+    sizes = shape_class[1:]
+    return choose("linear: oneDNN or BLAS", shape_class, _sample_products(*sizes, dtype),
+                  default="reference") == "native"
 
 
 class _Native:
@@ -99,7 +106,8 @@ LINEAR = register_op(FusedOp(
     name=NAME,
     reference=linear_reference,
     implementations=_IMPLEMENTATIONS,
-    cpu_preference="native" if onednn_beats_blas() else "reference",
+    # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend).
+    cpu_preference="native",
     native_supports=_native_supports,
     costs=COSTS,
 ))
@@ -180,10 +188,11 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
                              f"the out_features of weight")
 
 
-def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
-    """The registry's choice, except that an automatic ``native`` is kept only for the
-    dtype it was measured to speed up (float32); a forced ``native`` refuses only what
-    oneDNN cannot run. The dtype is the one the GEMMs run in: under autocast, the region's."""
+def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
+    """The registry's choice, except that an automatic ``native`` is kept only in float32
+    and where oneDNN measured faster than the BLAS for these sizes on this machine; a
+    forced ``native`` refuses only what oneDNN cannot run. The dtype is the one the GEMMs
+    run in: under autocast, the region's."""
     chosen = select_backend(LINEAR, x.device, requested)
     if chosen != "native":
         return chosen
@@ -195,14 +204,17 @@ def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
                              f"oneDNN takes {' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} "
                              f"on this CPU")
         return chosen
-    return chosen if dtype == torch.float32 else "reference"
+    if dtype != torch.float32 or forced == "reference":
+        return "reference"
+    tokens = x.numel() // max(x.shape[-1], 1)
+    return "native" if onednn_is_faster(tokens, weight.shape[1], weight.shape[0], dtype) else "reference"
 
 
-def runs_on_onednn(x: Tensor) -> bool:
-    """Whether :func:`linear` of ``x`` (backend chosen automatically, or by
+def runs_on_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`linear` of ``x`` and ``weight`` (backend chosen automatically, or by
     ``use_backend``) runs on oneDNN: for ops whose GEMMs run inside them (the chunks of
     fused_linear_cross_entropy)."""
-    return _choose_backend(x, None) == "native"
+    return _choose_backend(x, weight, None) == "native"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
@@ -210,7 +222,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend:
     [out]) on the backend that runs its GEMMs fastest here (see the module doc).
     ``backend`` forces ``"native"`` (oneDNN) or ``"reference"`` (``F.linear``)."""
     _check_inputs(x, weight, bias)
-    chosen = _choose_backend(x, backend)
+    chosen = _choose_backend(x, weight, backend)
     if chosen == "reference":
         return linear_reference(x, weight, bias)
     return _linear_op(x, weight, bias, chosen)

@@ -10,7 +10,7 @@ import torch
 
 from te_lab import __version__
 from te_lab import device as devices
-from te_lab.kernels import available_backends, registered_ops, select_backend
+from te_lab.kernels import available_backends, measured_choice, registered_ops, select_backend
 
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
 
@@ -31,6 +31,17 @@ def triton_line(device_type: str) -> str:
     return f"triton backend on {device_type}: " + ("available" if reason is None else f"unavailable: {reason}")
 
 
+def measured_choice_lines() -> list[str]:
+    """The machine-dependent choices measured here so far (kernels.measured_choice)."""
+    made = measured_choice.decisions()
+    lines = [f"measured choices for {measured_choice.machine_fingerprint()}"
+             + (":" if made else ": none yet (each is measured the first time it matters)")]
+    for key, decision in sorted(made.items()):
+        times = ", ".join(f"{name} {us:.0f} us" for name, us in decision["median_us"].items())
+        lines.append(f"  {key}: {decision['choice']} ({times})")
+    return lines
+
+
 def status_lines() -> list[str]:
     """Devices (the default first), backends per op on the default device (the automatic
     choice, then the others available), Triton's availability, versions and threads."""
@@ -42,6 +53,7 @@ def status_lines() -> list[str]:
         others = [b for b in available_backends(op, default) if b != chosen]
         lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
     lines.append(triton_line(default.type))
+    lines.extend(measured_choice_lines())
     versions = ", ".join(f"{package} {version or 'not installed'}" for package, version in package_versions().items())
     lines.append(f"versions: {versions}; te_lab {__version__}; {torch.get_num_threads()} CPU threads")
     return lines

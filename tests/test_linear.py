@@ -133,7 +133,8 @@ def test_twins_route_large_plain_linear_children_and_call_the_rest_as_modules():
     twin = FusedGatedMLP(mlp, gate="gate_proj", up="up_proj", down="down_proj", activation="silu")
     assert twin.kernel_names() == ["te_lab::glu", "te_lab::linear"]
     x = torch.randn(2, 8, 256)
-    with torch.profiler.profile() as trace:
+    # Whether oneDNN pays for 16 tokens is measured per machine; the routing is forced here.
+    with use_backend(linear="native"), torch.profiler.profile() as trace:
         twin(x)
     assert sum(event.name == "te_lab::linear" for event in trace.events()) == 3
 
@@ -155,6 +156,11 @@ def test_a_fused_llama_with_routed_projections_trains_like_the_original():
     not): every probe passes on oneDNN's GEMMs and the loss and gradients match."""
     model = models.llama("tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
     batch = model.example_batch(2, 32)
+    with use_backend(linear="native"):  # whether oneDNN pays here is the machine's measurement
+        _fused_llama_trains_like_the_original(model, batch)
+
+
+def _fused_llama_trains_like_the_original(model, batch):
     report = te_lab.fuse(model, sample=batch, progress=False)
     assert all(row.status == "fused" for row in report.rows), str(report)
     assert report.model_check.within_tolerance

@@ -1,0 +1,138 @@
+"""Choices that depend on the machine, made by measuring on it, once.
+
+Which of two ways of computing the same thing is faster is a property of the machine:
+oneDNN's float32 GEMM ran twice as fast as MKL's on one AMD EPYC and 0.73x to 1.19x on
+another of the same vendor, depending on the shapes. So such a choice is never made from
+a vendor string: the first time it matters for a class of shapes, each candidate runs a
+few interleaved rounds on inputs of that class, the fastest by median is kept, and the
+decision (with its timings) is cached in memory and on disk per machine: the CPU model,
+its vector ISA, torch's version and thread count name the cache file, so a change of any
+of them measures anew. ``te-lab info`` lists the decisions; ``TE_LAB_BACKEND`` (or
+``backend=``) still overrides them; ``TE_LAB_CHOICES=off`` keeps every choice at its
+default without measuring, and ``TE_LAB_CHOICES_CACHE`` names another cache directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import torch
+
+CHOICES_ENV = "TE_LAB_CHOICES"
+CACHE_ENV = "TE_LAB_CHOICES_CACHE"
+WARMUP = 2
+ROUNDS = 7
+
+_decisions: dict[str, dict] = {}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it ("AMD EPYC 9B14", ...), or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_fingerprint() -> str:
+    """What a measured choice holds for: CPU model, vector ISA, torch version, threads."""
+    return (f"{cpu_model()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def size_class(size: int) -> int:
+    """``size`` rounded up to a power of two: shapes in one class cost alike."""
+    return 1 << max(int(size) - 1, 0).bit_length()
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "te_lab")
+    digest = hashlib.sha1(machine_fingerprint().encode()).hexdigest()[:12]
+    return root / f"choices-{digest}.json"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())["decisions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _save() -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        temporary.write_text(json.dumps({"machine": machine_fingerprint(), "decisions": _decisions}, indent=1))
+        temporary.replace(path)
+    except OSError:
+        pass  # a read-only home: the decisions still hold for this process
+
+
+def measuring_enabled() -> bool:
+    value = os.environ.get(CHOICES_ENV, "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise ValueError(f"{CHOICES_ENV}={value!r}: expected 'on' or 'off'")
+    return value != "off"
+
+
+def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str, float]:
+    for _ in range(WARMUP):
+        for run in candidates.values():
+            run()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
+    for round_index in range(ROUNDS):
+        # Alternate which candidate goes first, so neither always runs on a warmer cache.
+        for name in (names if round_index % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            candidates[name]()
+            samples[name].append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def choose(decision: str, shape_class: tuple, candidates: Mapping[str, Callable[[], object]],
+           default: str) -> str:
+    """The fastest of ``candidates`` (name -> a callable running one sample) for
+    ``decision`` at ``shape_class``: measured the first time, then remembered. Returns
+    ``default`` without measuring where measuring is off, and under torch.compile's
+    tracing unless already decided."""
+    key = f"{decision} {shape_class}"
+    if not _decisions:
+        _decisions.update(_load())
+    if key in _decisions:
+        return _decisions[key]["choice"]
+    if not measuring_enabled() or torch.compiler.is_compiling():
+        return default
+    with torch.no_grad():
+        times = _median_times_us(candidates)
+    choice = min(times, key=times.get)
+    _decisions[key] = {"choice": choice, "median_us": {name: round(t, 1) for name, t in times.items()}}
+    _save()
+    return choice
+
+
+def decisions() -> dict[str, dict]:
+    """Every decision known in this process (measured or read from the cache)."""
+    if not _decisions:
+        _decisions.update(_load())
+    return dict(_decisions)
+
+
+def forget(prefix: Optional[str] = None) -> None:
+    """Drop the remembered decisions (those whose key starts with ``prefix``), here and on disk."""
+    _decisions.update(_load())
+    for key in [key for key in _decisions if prefix is None or key.startswith(prefix)]:
+        del _decisions[key]
+    _save()

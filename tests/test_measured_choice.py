@@ -1,0 +1,80 @@
+"""Machine-dependent choices: measured once, cached per machine, overridable."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from te_lab import status
+from te_lab.kernels import linear, measured_choice
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(measured_choice.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(measured_choice.CHOICES_ENV, raising=False)
+    measured_choice._decisions.clear()
+    yield tmp_path
+    measured_choice._decisions.clear()
+
+
+def _counting(calls, name, seconds):
+    def run():
+        calls[name] = calls.get(name, 0) + 1
+        time.sleep(seconds)
+    return run
+
+
+def test_the_faster_candidate_is_chosen_once_and_remembered_on_disk(fresh_cache):
+    calls = {}
+    candidates = {"slow": _counting(calls, "slow", 0.003), "fast": _counting(calls, "fast", 0.0)}
+    assert measured_choice.choose("demo", (64,), candidates, default="slow") == "fast"
+    rounds = measured_choice.WARMUP + measured_choice.ROUNDS
+    assert calls == {"slow": rounds, "fast": rounds}
+    assert measured_choice.choose("demo", (64,), candidates, default="slow") == "fast"
+    assert calls == {"slow": rounds, "fast": rounds}  # not measured again
+    # A new process reads the decision from the cache file, named by the machine.
+    [cache] = fresh_cache.glob("choices-*.json")
+    saved = json.loads(cache.read_text())
+    assert saved["machine"] == measured_choice.machine_fingerprint()
+    assert saved["decisions"]["demo (64,)"]["choice"] == "fast"
+    assert saved["decisions"]["demo (64,)"]["median_us"]["slow"] >= 3000
+    measured_choice._decisions.clear()
+    assert measured_choice.choose("demo", (64,), candidates, default="slow") == "fast"
+    assert calls == {"slow": rounds, "fast": rounds}
+
+
+def test_measuring_off_keeps_the_default_and_bad_values_are_refused(fresh_cache, monkeypatch):
+    calls = {}
+    candidates = {"a": _counting(calls, "a", 0.0), "b": _counting(calls, "b", 0.0)}
+    monkeypatch.setenv(measured_choice.CHOICES_ENV, "off")
+    assert measured_choice.choose("demo", (8,), candidates, default="b") == "b"
+    assert calls == {}
+    monkeypatch.setenv(measured_choice.CHOICES_ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"TE_LAB_CHOICES='sometimes': expected 'on' or 'off'"):
+        measured_choice.choose("demo", (8,), candidates, default="b")
+
+
+def test_size_classes_are_powers_of_two():
+    assert [measured_choice.size_class(n) for n in (1, 2, 3, 255, 256, 257)] == [1, 2, 4, 256, 256, 512]
+
+
+@pytest.mark.skipif(not linear.LINEAR.native_supports("cpu"), reason="this torch build has no oneDNN linear")
+def test_linear_routing_follows_the_measurement_and_te_lab_info_shows_it(fresh_cache):
+    x, weight = torch.randn(200, 256), torch.randn(256, 256)
+    out = linear.linear(x, weight)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    key = "linear: oneDNN or BLAS ('float32', 256, 256, 256)"
+    decision = measured_choice.decisions()[key]
+    assert set(decision["median_us"]) == {"native", "reference"}
+    assert decision["choice"] == min(decision["median_us"], key=decision["median_us"].get)
+    with torch.profiler.profile() as trace:
+        linear.linear(x, weight)
+    ran_onednn = "te_lab::linear" in {event.name for event in trace.events()}
+    assert ran_onednn == (decision["choice"] == "native")
+    assert any(line.strip().startswith(key + f": {decision['choice']}") for line in status.status_lines())
+    # Forcing still overrides the measurement.
+    with torch.profiler.profile() as trace:
+        linear.linear(x, weight, backend="native")
+    assert "te_lab::linear" in {event.name for event in trace.events()}
