@@ -409,14 +409,22 @@ def _dot_precision(x: Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and float32_matmul_allows_tf32() else "ieee"
 
 
-def _triton_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(outer block, inner block, padded head_dim): the outer block is the one a program
-    owns (queries in the forward and dQ, keys in dK/dV), the inner one the block it walks.
-    Both shrink for wide rows: compiled for sm_80 with two pipeline stages, every kernel
-    then stays under 80 KB of shared memory (MUSA and consumer GPUs have less than A100)."""
+def _triton_blocks(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int, int, int, int]:
+    """(outer block, inner block, padded head_dim, num_warps): the outer block is the one a
+    program owns (queries in the forward and dQ, keys in dK/dV), the inner one the block it
+    walks. Both shrink for wide rows: compiled for sm_80 with two pipeline stages, every kernel
+    then stays under 80 KB of shared memory (MUSA and consumer GPUs have less than A100).
+    The backward, which holds two accumulators and more tiles per step, walks 32-row inner
+    blocks on 8 warps, and float32 (whose IEEE dots run on FMA, not tensor cores) owns 32-row
+    outer blocks there: the sizes at which nothing spills on sm_80 and sm_90 at head_dim 64
+    and 128 (te_lab.benchmarks.gpu_kernels; 64-row blocks on 4 warps spilled up to 640 bytes
+    per thread at 255 registers)."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())  # tl.dot needs every dim >= 16
     row_bytes = block_d * torch.finfo(dtype).bits // 8
-    return (64 if row_bytes <= 256 else 32), (64 if row_bytes <= 128 else 32), block_d
+    if backward:
+        outer = 64 if row_bytes <= 256 and dtype != torch.float32 else 32
+        return outer, 32, block_d, (4 if block_d <= 32 else 8)
+    return (64 if row_bytes <= 256 else 32), (64 if row_bytes <= 128 else 32), block_d, (4 if row_bytes <= 128 else 8)
 
 
 # Pipeline stages for the K/V (or Q/dO) tiles a program walks: two overlap loads with math
@@ -439,7 +447,7 @@ class _Triton:
     def forward(q, k, v, mask, causal, scale):
         batch, heads_q, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
-        outer, inner, block_d = _triton_blocks(head_dim, q.dtype)
+        outer, inner, block_d, num_warps = _triton_blocks(head_dim, q.dtype, backward=False)
         mask, mask_strides, mask_kind = _kernel_mask(mask, (batch, heads_q, seq_q, seq_k))
         out = _seq_major_empty(q.shape, q)
         lse = _seq_major_empty(q.shape[:-1], q, torch.float32)
@@ -448,7 +456,7 @@ class _Triton:
                 q, k, v, mask, out, lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
                 heads_q, heads_q // k.shape[1], seq_q, seq_k, head_dim, scale,
                 CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
-                BLOCK_M=outer, BLOCK_N=inner, BLOCK_D=block_d, num_warps=4 if block_d <= 64 else 8,
+                BLOCK_M=outer, BLOCK_N=inner, BLOCK_D=block_d, num_warps=num_warps,
                 num_stages=_NUM_STAGES)
         return out, lse
 
@@ -456,14 +464,13 @@ class _Triton:
     def backward(dout, q, k, v, mask, out, lse, causal, scale):
         batch, heads_q, seq_q, head_dim = q.shape
         heads_kv, seq_k = k.shape[1], k.shape[2]
-        outer, inner, block_d = _triton_blocks(head_dim, q.dtype)
+        outer, inner, block_d, num_warps = _triton_blocks(head_dim, q.dtype, backward=True)
         mask, mask_strides, mask_kind = _kernel_mask(mask, (batch, heads_q, seq_q, seq_k))
         delta = torch.empty_like(lse)
         dq, dk, dv = _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)
         strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *dout.stride())
         options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
-                       BLOCK_D=block_d,
-                       num_warps=4 if block_d <= 64 else 8, num_stages=_NUM_STAGES)
+                       BLOCK_D=block_d, num_warps=num_warps, num_stages=_NUM_STAGES)
         with devices.device_guard(q.device):
             _attention_delta_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
                 out, dout, delta, *out.stride(), *dout.stride(), heads_q, seq_q, head_dim,

@@ -134,6 +134,8 @@ def check_eager_and_fused_count_alike(report, rel: float) -> None:
 
 
 def test_gpt2_kinds_count_alike_eager_and_fused():
+    # the heaviest test here: one fuse and a one-step profile of the tiny GPT-2 (its Inductor
+    # ops compile on first use: 5-20 s each where the on-disk cache is cold)
     model = models.gpt2("tiny", seed=0)
     batch = model.example_batch(2, 32)
     te_lab.fuse(model, sample=batch, progress=False)

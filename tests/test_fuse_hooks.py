@@ -7,25 +7,14 @@ norms and LM head (two compiled kernels)."""
 
 import collections
 
+import pytest
 import torch
 from torch import nn
 
 import te_lab
 from te_lab import models
-from te_lab.modules import FusedModule
 
-
-class Sine(nn.Module):
-    def forward(self, x):
-        return torch.sin(x)
-
-
-class FusedSine(FusedModule):
-    def forward(self, x):
-        return torch.cos(x - torch.pi / 2)
-
-    def kernel_names(self):
-        return ["test::sine"]
+from sine_twin import FusedSine, Sine, sine_rule
 
 
 class Block(nn.Module):
@@ -37,22 +26,10 @@ class Block(nn.Module):
         return self.inner(x)
 
 
-def _match(module):
-    if type(module) is Sine:
-        return te_lab.Match([te_lab.Variant(lambda options: FusedSine(module))],
-                            lambda: te_lab.ProbeInputs((torch.randn(4, 8),)))
-    return None
-
-
-def with_sine_rule(test):
-    def run(*args, **kwargs):
-        te_lab.register_rule(te_lab.FusionRule("sine", "other", "sin as a shifted cos", _match))
-        try:
-            return test(*args, **kwargs)
-        finally:
-            te_lab.unregister_rule("sine")
-    run.__name__ = test.__name__
-    return run
+@pytest.fixture
+def with_sine_rule():
+    with sine_rule():
+        yield
 
 
 def count_hooks(module, calls):
@@ -67,7 +44,7 @@ def step(model):
     model(x).sum().backward()
 
 
-@with_sine_rule
+@pytest.mark.usefixtures("with_sine_rule")
 def test_every_kind_of_hook_keeps_firing_while_fused_and_after_unfuse():
     model, calls = Block(Sine()), collections.Counter()
     original = model.inner
@@ -90,7 +67,7 @@ def test_every_kind_of_hook_keeps_firing_while_fused_and_after_unfuse():
     assert calls == {"forward-pre": 4, "forward": 2, "backward-pre": 4, "backward": 4}
 
 
-@with_sine_rule
+@pytest.mark.usefixtures("with_sine_rule")
 def test_hooks_registered_on_the_twin_stay_with_the_original_after_unfuse():
     model, calls = Block(Sine()), collections.Counter()
     original = model.inner
@@ -106,7 +83,7 @@ def test_hooks_registered_on_the_twin_stay_with_the_original_after_unfuse():
     assert calls["forward"] == 3
 
 
-@with_sine_rule
+@pytest.mark.usefixtures("with_sine_rule")
 def test_a_hook_that_changes_the_output_changes_it_while_fused_too():
     model = Block(Sine())
     model.inner.register_forward_hook(lambda m, args, out: out * 2)

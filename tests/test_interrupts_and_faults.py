@@ -12,58 +12,24 @@ import torch
 from torch import nn
 
 import te_lab
-from te_lab.modules import FusedModule
 
-
-class Sine(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(8))
-
-    def forward(self, x):
-        return torch.sin(x) * self.scale
-
-
-class Faulty(Sine):
-    """Matched by the same rule; its twin raises what ``fault`` names when called."""
-
-    fault: type = KeyboardInterrupt
-
-
-class FusedSine(FusedModule):
-    def forward(self, x):
-        if isinstance(self.original, Faulty):
-            raise self.original.fault("injected by the test")
-        return torch.cos(x - torch.pi / 2) * self.scale
-
-    def kernel_names(self):
-        return ["test::sine"]
+from sine_twin import FusedSine, Sine, sine_rule
 
 
 class Model(nn.Module):
-    def __init__(self, fault=None):
+    def __init__(self, twin_fault=None):
         super().__init__()
-        self.first = Sine()
-        self.second = Sine()
-        self.third = Faulty() if fault else Sine()
-        if fault:
-            self.third.fault = fault
+        self.first, self.second, self.third = Sine(), Sine(), Sine()
+        self.third.twin_fault = twin_fault
 
     def forward(self, x):
         return self.third(self.second(self.first(x)))
 
 
 @pytest.fixture(autouse=True)
-def sine_rule():
-    def match(module):
-        if isinstance(module, Sine):
-            return te_lab.Match([te_lab.Variant(lambda options: FusedSine(module))],
-                                lambda: te_lab.ProbeInputs((torch.randn(4, 8),)))
-        return None
-
-    te_lab.register_rule(te_lab.FusionRule("sine", "other", "sin as a shifted cos", match))
-    yield
-    te_lab.unregister_rule("sine")
+def with_sine_rule():
+    with sine_rule():
+        yield
 
 
 def state_of(model):
@@ -100,7 +66,7 @@ def test_a_fault_while_probing_undoes_every_swap_and_names_the_module(fault, wit
     assert_same_state(state_of(model), before)
     assert all(type(module) is not FusedSine for module in model.modules())
     # Fusing again afterwards works, and the fault was the twin's: the others fuse.
-    model.third = Sine()
+    model.third.twin_fault = None
     report = te_lab.fuse(model)
     assert [row.status for row in report.rows] == ["fused"] * 3
 

@@ -49,6 +49,10 @@ def check_reading_the_dashboard(text: str) -> None:
     eager, fused, difference, reported = map(int, saved.groups())
     assert eager - fused == difference == reported and fused < eager
     assert "speedup      = eager step median / fused step median" in text
+    for mode in ("eager", "fused"):  # the module times are scaled to add up to the unprofiled step
+        added = re.search(rf"{mode}: profiled / unprofiled step [\d.]+x; modules \+ \(other\) = ([\d.]+) ms of a "
+                          rf"([\d.]+) ms step; compiles in measured steps: 0", text)
+        assert added and float(added[1]) == pytest.approx(float(added[2]), rel=0.10), mode
     assert "effective parallelism (eager):" in text and "bandwidth ceiling:" in text
     for kind in ("norm", "mlp", "attention", "loss"):
         assert re.search(rf"\n{kind} +eager ", text), kind

@@ -13,30 +13,12 @@ from torch import nn
 
 import te_lab
 from te_lab import models
-from te_lab.modules import FusedModule
 from te_lab.surgery.probe import compare, inconclusive_reason
 
-
-class ScaledSine(nn.Module):
-    def __init__(self, scale=1.0):
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(scale))
-
-    def forward(self, x):
-        return torch.sin(x) * self.scale
+from sine_twin import FusedSine, Sine, sine_rule
 
 
-class ShiftedCosine(FusedModule):
-    """The same math by another path: a correct twin."""
-
-    def forward(self, x):
-        return torch.cos(x - torch.pi / 2) * self.scale
-
-    def kernel_names(self):
-        return ["test::shifted_cosine"]
-
-
-class Cosine(ShiftedCosine):
+class Cosine(FusedSine):
     """A wrong twin: cos(x) where sin(x) is meant. It agrees with the original only where
     the comparison proves nothing (NaN against NaN, no elements at all)."""
 
@@ -47,25 +29,16 @@ class Cosine(ShiftedCosine):
 class Holder(nn.Module):
     def __init__(self, scale=1.0):
         super().__init__()
-        self.inner = ScaledSine(scale)
+        self.inner = Sine(scale=scale)
 
     def forward(self, x):
         return self.inner(x)
 
 
-@pytest.fixture(params=[ShiftedCosine, Cosine], ids=["right-twin", "wrong-twin"])
+@pytest.fixture(params=[FusedSine, Cosine], ids=["right-twin", "wrong-twin"])
 def twin_rule(request):
-    twin = request.param
-
-    def match(module):
-        if isinstance(module, ScaledSine):
-            return te_lab.Match([te_lab.Variant(lambda options: twin(module))],
-                                lambda: te_lab.ProbeInputs((torch.randn(4, 8),)))
-        return None
-
-    te_lab.register_rule(te_lab.FusionRule("scaled_sine", "other", "test twin", match))
-    yield twin
-    te_lab.unregister_rule("scaled_sine")
+    with sine_rule(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("sample, why", [
@@ -77,14 +50,14 @@ def test_an_inconclusive_sample_falls_back_to_synthesized_inputs(twin_rule, samp
     model = Holder()
     report = te_lab.fuse(model, sample=sample)
     (row,) = report.rows
-    if twin_rule is ShiftedCosine:
+    if twin_rule is FusedSine:
         assert row.status == "fused" and row.probe == "synthesized"
         assert row.reason == f"verified on synthesized inputs: the sample's probe was inconclusive ({why})"
         assert math.isfinite(row.output_max_abs) and math.isfinite(row.grad_max_abs)
-        assert isinstance(model.inner, ShiftedCosine)
+        assert type(model.inner) is FusedSine
     else:
         # Today's NaN == NaN (and empty) comparisons called this twin verified with error 0.
-        assert row.status == "skipped" and type(model.inner) is ScaledSine
+        assert row.status == "skipped" and type(model.inner) is Sine
         assert "differs from the original's by up to" in row.reason
         assert f"(on synthesized inputs, after the sample's probe was inconclusive: {why})" in row.reason
 
@@ -93,7 +66,7 @@ def test_a_module_that_is_not_finite_on_any_input_stays_unfused(twin_rule):
     model = Holder(scale=float("nan"))
     report = te_lab.fuse(model, sample=torch.randn(2, 8))
     (row,) = report.rows
-    assert row.status == "skipped" and type(model.inner) is ScaledSine
+    assert row.status == "skipped" and type(model.inner) is Sine
     if twin_rule is Cosine:  # the weight's gradient (sum of sin vs cos terms) is finite and tells them apart
         assert row.reason.startswith("grad of scale differs from the original's")
         return

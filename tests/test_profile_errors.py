@@ -9,21 +9,9 @@ from torch import nn
 
 import te_lab
 from te_lab.cli import build_parser
-from te_lab.modules import FusedModule
 from te_lab.profiler import profile_statement
 
-
-class Sine(nn.Module):
-    def forward(self, x):
-        return torch.sin(x)
-
-
-class FusedSine(FusedModule):
-    def forward(self, x):
-        return torch.cos(x - torch.pi / 2)
-
-    def kernel_names(self):
-        return ["test::sine"]
+from sine_twin import Sine, sine_rule
 
 
 class Embedded(nn.Module):
@@ -38,20 +26,11 @@ class Embedded(nn.Module):
 
 @pytest.fixture
 def frozen_fused_model():
-    def match(module):
-        if isinstance(module, Sine):
-            return te_lab.Match([te_lab.Variant(lambda options: FusedSine(module))],
-                                lambda: te_lab.ProbeInputs((torch.randn(4, 8),)))
-        return None
-
-    te_lab.register_rule(te_lab.FusionRule("sine", "other", "sin as a shifted cos", match))
-    try:
+    with sine_rule():
         model = Embedded().requires_grad_(False)
         te_lab.fuse(model)
         assert te_lab.is_fused(model)
         yield model
-    finally:
-        te_lab.unregister_rule("sine")
 
 
 def test_nothing_to_differentiate_says_so_and_forward_only_works(frozen_fused_model):

@@ -56,3 +56,20 @@ def test_the_compile_counter_sees_a_dynamo_compile_and_nothing_else():
     with counter:
         compiled(x)  # compiled already: guards pass, nothing compiles
     assert counter.count == 1
+
+
+def test_the_compile_counter_counts_tritons_post_compile_hook_and_hands_it_on():
+    knobs = pytest.importorskip("triton.knobs")  # Triton >= 3.4 (3.2's hook is JITFunction.compiled_hook)
+    seen = []
+    owner = knobs.runtime
+    before = owner.jit_post_compile_hook
+    owner.jit_post_compile_hook = lambda *args, **kwargs: seen.append(kwargs) or "previous"
+    try:
+        previous = owner.jit_post_compile_hook
+        with CompileCounter() as counter:
+            # what Triton's JIT calls after compiling a kernel
+            assert owner.jit_post_compile_hook(key="kernel", warmup=False) == "previous"
+        assert counter.count == 1 and seen == [{"key": "kernel", "warmup": False}]
+        assert owner.jit_post_compile_hook is previous  # put back as found
+    finally:
+        owner.jit_post_compile_hook = before

@@ -403,6 +403,11 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
 
     A ``DistributedDataParallel`` wrapper has its wrapped module fused; a model already
     sharded by FSDP2's ``fully_shard`` (DTensor parameters) is refused: fuse, then shard.
+
+    A probe on the sample that compares nothing (no elements; NaN or infinity from the
+    original) is inconclusive and is repeated on synthesized inputs, and the row says so.
+    A swapped module's hooks move to its twin (:mod:`.hooks`). Any exception or interrupt
+    that escapes undoes every swap this call made, and names the module being processed.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.fuse: model must be a torch.nn.Module, got {type(model).__name__}")
