@@ -8,7 +8,10 @@ time to first step). Contenders:
 - ``eager``: the unfused model; the step's optimizer is ``torch.optim.AdamW`` with
   ``fused=True`` where the device has ATen's fused kernel (``foreach`` otherwise);
 - ``torch.compile``: ``torch.compile`` of the unfused model, same optimizer;
-- ``te_lab``: the fused model with te_lab's ``FusedAdamW``;
+- ``te_lab``: the fused model with te_lab's ``FusedAdamW``, its projections on whichever
+  GEMM library measured faster here (``te_lab::linear``'s routing, kernels/linear.py);
+- ``te_lab (fusion only)``: the same fused model with that routing off (every projection
+  on ``F.linear``): what fusion alone gains;
 - ``torch.compile(te_lab)``: ``torch.compile`` of the fused model, ``FusedAdamW``.
 
 A contender and its compiled twin share one model and one optimizer (the weights keep
@@ -33,7 +36,7 @@ import torch
 
 import te_lab
 from te_lab import device as devices
-from te_lab.kernels import FusedAdamW
+from te_lab.kernels import FusedAdamW, use_backend
 from te_lab.kernels.registry import aten_kernel_exists
 from te_lab.models import build_model, example_batch
 
@@ -41,7 +44,16 @@ from .harness import Contender, interleaved, peak_memory_bytes
 from .stats import speedup
 
 MODEL_MODES = ("inference", "train")
-CONTENDERS = ("eager", "torch.compile", "te_lab", "torch.compile(te_lab)")
+CONTENDERS = ("eager", "torch.compile", "te_lab", "te_lab (fusion only)", "torch.compile(te_lab)")
+FUSION_ONLY = "te_lab (fusion only)"
+
+
+def _without_routing(model: torch.nn.Module) -> Callable:
+    """``model`` called with te_lab::linear's routing off (projections on F.linear)."""
+    def run(**inputs):
+        with use_backend(linear="reference"):
+            return model(**inputs)
+    return run
 
 
 def torch_adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -105,8 +117,10 @@ def run_model(name: str, device: torch.device, *, batch: int, seq: int, rounds: 
     optimizers = {"eager": torch_adamw(eager_model, device), "te_lab": FusedAdamW(fused_model.parameters(), lr=1e-4)}
     models = {"eager": (eager_model, eager_model, "eager"), "torch.compile": (compiled_eager, eager_model, "eager"),
               "te_lab": (fused_model, fused_model, "te_lab"),
+              FUSION_ONLY: (_without_routing(fused_model), fused_model, "te_lab"),
               "torch.compile(te_lab)": (compiled_fused, fused_model, "te_lab")}
-    setup_s = {"eager": 0.0, "torch.compile": 0.0, "te_lab": fuse_s, "torch.compile(te_lab)": fuse_s}
+    setup_s = {"eager": 0.0, "torch.compile": 0.0, "te_lab": fuse_s, FUSION_ONLY: fuse_s,
+               "torch.compile(te_lab)": fuse_s}
     parameters = sum(p.numel() for p in eager_model.parameters())
     base = {"model": name, "parameters": parameters, "batch": batch, "seq": seq, "tokens": batch * seq,
             "fuse_s": fuse_s, "fusion": _counts_line(report),
@@ -141,7 +155,7 @@ def run_model(name: str, device: torch.device, *, batch: int, seq: int, rounds: 
                               peak_memory_bytes=peak_memory_bytes(contender, device))
             contender_records.append(record)
         ran = {n: t for n, t in timings.items() if t.error is None}
-        pairs = [(n, "eager") for n in CONTENDERS[1:]] + [("te_lab", "torch.compile"),
+        pairs = [(n, "eager") for n in CONTENDERS[1:]] + [("te_lab", "torch.compile"), (FUSION_ONLY, "torch.compile"),
                                                          ("torch.compile(te_lab)", "torch.compile")]
         records.append({**base, "mode": mode, "check": check, "contenders": contender_records,
                         "speedups": [speedup(ran[a], ran[b]).as_dict() for a, b in pairs if a in ran and b in ran]})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .dispatch import markdown as dispatch_table
+
 
 def _ms(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
@@ -121,11 +123,16 @@ def markdown(results: dict, *, title: str = "te_lab benchmark results") -> str:
                 "medians, (±) half the interquartile range; `vs X` is X's median over the contender's (above 1: "
                 "faster) with a 95% bootstrap interval over paired rounds. GB/s is the bytes the op must move "
                 "(benchmarks/cases.py) over the median time.", "",
-                "## Targets (issue 9)", "", *targets_table(results), ""]
+                "## Targets", "", *targets_table(results), ""]
     if results["failures"]:
         sections += ["## Failures", "", *(f"- {f['where']}: {f['error']}" for f in results["failures"]), ""]
     if results["models"]:
         sections += ["## End to end", "", *models_table(results), ""]
+    if results.get("dispatch"):
+        sections += ["## Per call: te_lab's ops against their own kernels (benchmarks/dispatch.py)", "",
+                     "Forward and backward together; `kernels alone` calls each te_lab op's implementation "
+                     "directly with the arguments the op passed it; overhead per call = (te_lab - kernels) / "
+                     "te_lab op calls.", "", *dispatch_table(results["dispatch"]), ""]
     if results["ops"]:
         sections += ["## Per op: te_lab against the baselines", "", *ops_summary_table(results), "",
                      "## Per op: every contender", "", *ops_detail_table(results), ""]

@@ -81,7 +81,7 @@ MODEL_CONTENDER = {
     "required": ["name", "error", "setup_s", "first_call_ms", "samples_ms", "median_ms", "spread_ms",
                  "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes"],
     "properties": {
-        "name": {"enum": ["eager", "torch.compile", "te_lab", "torch.compile(te_lab)"]},
+        "name": {"enum": ["eager", "torch.compile", "te_lab", "te_lab (fusion only)", "torch.compile(te_lab)"]},
         "error": _OPTIONAL_STRING, "setup_s": _NUMBER, "first_call_ms": _OPTIONAL_NUMBER, "samples_ms": _SAMPLES,
         "median_ms": _OPTIONAL_NUMBER, "spread_ms": _OPTIONAL_NUMBER, "tokens_per_s": _OPTIONAL_NUMBER,
         "time_to_first_step_s": _OPTIONAL_NUMBER, "peak_memory_bytes": {"type": ["integer", "null"]},
@@ -115,6 +115,19 @@ TARGET = {
     "additionalProperties": False,
 }
 
+DISPATCH_RESULT = {
+    "type": "object",
+    "required": ["case", "tokens", "hidden", "backend", "te_lab_op_calls", "median_us", "overhead_per_call_us",
+                 "te_lab_vs_eager"],
+    "properties": {
+        "case": {"type": "string"}, "tokens": {"type": "integer"}, "hidden": {"type": "integer"},
+        "backend": {"type": "string"}, "te_lab_op_calls": {"type": "integer"},
+        "median_us": {"type": "object", "required": ["te_lab", "kernels", "eager"]},
+        "overhead_per_call_us": _OPTIONAL_NUMBER, "te_lab_vs_eager": {"type": "object"},
+    },
+    "additionalProperties": False,
+}
+
 FAILURE = {
     "type": "object", "required": ["where", "error"],
     "properties": {"where": {"type": "string"}, "error": {"type": "string"}}, "additionalProperties": False,
@@ -138,6 +151,7 @@ RESULTS_SCHEMA = {
         },
         "ops": {"type": "array", "items": OP_RESULT},
         "models": {"type": "array", "items": MODEL_RESULT},
+        "dispatch": {"type": "array", "items": DISPATCH_RESULT},
         "failures": {"type": "array", "items": FAILURE},
         "targets": {"type": "array", "items": TARGET},
     },

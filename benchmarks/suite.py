@@ -36,7 +36,7 @@ import torch
 from te_lab import device as devices
 from te_lab.kernels import registered_ops
 
-from . import end_to_end, environment, per_op
+from . import dispatch, end_to_end, environment, per_op
 from .cases import OP_CASES, OPTIMIZER_OPS, Size
 from .harness import describe_error
 from .html_report import write_html
@@ -66,6 +66,18 @@ class Profile:
     seq: int = 256
     model_rounds: int = 5
     model_warmup: int = 1
+    dispatch: bool = False  # the dispatch benchmark (dispatch.py) at 64 x 64
+
+    def model_batches(self) -> list[tuple[str, int, int]]:
+        """(model, batch, seq) per entry of ``models``: ``name@BxS`` or the profile's batch x seq."""
+        runs = []
+        for entry in self.models:
+            name, _, shape = entry.partition("@")
+            batch, _, seq = shape.partition("x")
+            if shape and not (batch.isdigit() and seq.isdigit()):
+                raise ValueError(f"benchmark model {entry!r}: expected NAME or NAME@BATCHxSEQ, e.g. llama-tiny@2x64")
+            runs.append((name, int(batch) if shape else self.batch, int(seq) if shape else self.seq))
+        return runs
 
     def sizes_for(self, op: str) -> tuple[Size, ...]:
         return self.sizes.get(op, self.sizes["*"])
@@ -88,14 +100,19 @@ PROFILES = {
         # GEMM-bound cases stay small: one fp32 GFLOP takes ~30 ms on this project's 2-core CPUs.
         # The LM head's larger case has tokens x vocab well above hidden x vocab, as in training,
         # so its memory target measures the logits it never materializes.
-        sizes={"*": (Size(512, 1024), Size(2048, 2048)),
-               "bias_act": (Size(256, 1024), Size(512, 1024)),
-               "linear": (Size(256, 1024), Size(512, 1024)),
-               "attention": (Size(512, 1024), Size(1024, 1024)),
-               "fused_linear_cross_entropy": (Size(256, 1024), Size(1024, 256)),
-               "cross_entropy": (Size(512, 1024), Size(2048, 1024)),
+        # The small sizes are where a notebook's models live and per-call costs dominate;
+        # RoPE's and attention's smallest take whole heads of 128 (RoPE's GQA 4:1 needs 512).
+        sizes={"*": (Size(64, 64), Size(256, 256), Size(512, 1024), Size(2048, 2048)),
+               "bias_act": (Size(64, 64), Size(256, 256), Size(256, 1024), Size(512, 1024)),
+               "linear": (Size(64, 64), Size(256, 256), Size(256, 1024), Size(512, 1024)),
+               "rope": (Size(64, 512), Size(256, 512), Size(512, 1024), Size(2048, 2048)),
+               "attention": (Size(64, 128), Size(256, 256), Size(512, 1024), Size(1024, 1024)),
+               "fused_linear_cross_entropy": (Size(1024, 256), Size(256, 1024), Size(4096, 256)),
+               "cross_entropy": (Size(64, 64), Size(256, 256), Size(512, 1024), Size(2048, 1024)),
                "adamw": (Size(0, 1024), Size(0, 2048))},
-        dtypes=("float32", "bfloat16"), batch=1),
+        dtypes=("float32", "bfloat16"),
+        # The training steps the CPU targets name (te_lab.models names, @batch x seq).
+        models=("llama-tiny@2x64", "llama-mini@2x128", "hf:llama-mini@4x256"), batch=1, dispatch=True),
     "gpu": Profile(
         "gpu", "the full GPU run: every op at two sizes (hidden 2048-8192, 4096 tokens), bfloat16 (the GPU "
         "targets' dtype; --dtypes bfloat16,float16,float32 for all); "
@@ -248,9 +265,12 @@ def collect(profile: Profile, device: torch.device, progress) -> dict:
                 results["ops"] += attempt(f"{op} {size} {str(dtype).removeprefix('torch.')}", lambda: per_op.run_op(
                     op, size, dtype, profile.modes, device, ceilings=environment.ceilings(env, dtype),
                     rounds=profile.rounds, warmup=profile.warmup, progress=progress))
-    for model in profile.models:
+    if profile.dispatch:
+        results["dispatch"] = [dispatch.as_record(result) for result in
+                               attempt("dispatch", lambda: dispatch.run(device, progress=progress))]
+    for model, batch, seq in profile.model_batches():
         results["models"] += attempt(model, lambda: end_to_end.run_model(
-            model, device, batch=profile.batch, seq=profile.seq, rounds=profile.model_rounds,
+            model, device, batch=batch, seq=seq, rounds=profile.model_rounds,
             warmup=profile.model_warmup, modes=profile.model_modes, progress=progress))
     results["targets"] = evaluate(results)
     return results

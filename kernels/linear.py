@@ -83,7 +83,7 @@ def onednn_is_faster(tokens: int, in_features: int, out_features: int, dtype: to
     shape_class = (str(dtype).split(".")[-1],) + tuple(
         size_class(size) for size in (tokens, in_features, out_features))
     sizes = shape_class[1:]
-    return choose("linear: oneDNN or BLAS", shape_class, _sample_products(*sizes, dtype),
+    return choose("linear: oneDNN or BLAS", shape_class, lambda: _sample_products(*sizes, dtype),
                   default="reference") == "native"
 
 

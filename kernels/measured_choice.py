@@ -29,6 +29,7 @@ CHOICES_ENV = "TE_LAB_CHOICES"
 CACHE_ENV = "TE_LAB_CHOICES_CACHE"
 WARMUP = 2
 ROUNDS = 7
+SAMPLE_SECONDS = 0.002
 
 _decisions: dict[str, dict] = {}
 
@@ -88,24 +89,33 @@ def measuring_enabled() -> bool:
 
 
 def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str, float]:
+    """Median microseconds per call of each candidate over interleaved rounds; a sample
+    repeats the call until it spans about SAMPLE_SECONDS, so small products are timed
+    above the clock's noise."""
+    names = list(candidates)
+    start = time.perf_counter()
     for _ in range(WARMUP):
         for run in candidates.values():
             run()
+    per_round = (time.perf_counter() - start) / WARMUP
+    calls = max(1, min(1000, int(SAMPLE_SECONDS * len(names) / max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in candidates}
-    names = list(candidates)
     for round_index in range(ROUNDS):
         # Alternate which candidate goes first, so neither always runs on a warmer cache.
         for name in (names if round_index % 2 == 0 else names[::-1]):
+            run = candidates[name]
             start = time.perf_counter()
-            candidates[name]()
-            samples[name].append((time.perf_counter() - start) * 1e6)
+            for _ in range(calls):
+                run()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def choose(decision: str, shape_class: tuple, candidates: Mapping[str, Callable[[], object]],
+def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[str, Callable[[], object]]],
            default: str) -> str:
-    """The fastest of ``candidates`` (name -> a callable running one sample) for
-    ``decision`` at ``shape_class``: measured the first time, then remembered. Returns
+    """The fastest of the candidates (``candidates()`` gives name -> a callable running one
+    sample; it is called only to measure) for ``decision`` at ``shape_class``: measured
+    the first time, then remembered. Returns
     ``default`` without measuring where measuring is off, and under torch.compile's
     tracing unless already decided."""
     key = f"{decision} {shape_class}"
@@ -116,7 +126,7 @@ def choose(decision: str, shape_class: tuple, candidates: Mapping[str, Callable[
     if not measuring_enabled() or torch.compiler.is_compiling():
         return default
     with torch.no_grad():
-        times = _median_times_us(candidates)
+        times = _median_times_us(candidates())
     choice = min(times, key=times.get)
     _decisions[key] = {"choice": choice, "median_us": {name: round(t, 1) for name, t in times.items()}}
     _save()

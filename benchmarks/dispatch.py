@@ -1,0 +1,163 @@
+"""The dispatch benchmark: what a te_lab op costs per call above its own kernels.
+
+    python -m te_lab.benchmarks.dispatch [--sizes 64x64] [--rounds 15] [--calls 20]
+
+At small sizes (64 tokens x 64 hidden by default, where a notebook's tiny model lives)
+a fused op's time is mostly what it costs to get to its kernels: argument checks,
+backend selection, the autograd Function, the op's registration. For each op case,
+forward and backward together, three contenders are timed interleaved (each sample the
+mean of ``calls`` calls):
+
+- ``te_lab``: the public op, automatic backend, forward and the gradients of every input;
+- ``kernels``: the same work with nothing around it: each te_lab op's implementation
+  called directly with the arguments the op gave it in one recorded real call (forward
+  and backward ops alike);
+- ``eager``: the model code the op replaces.
+
+``overhead per call`` = (te_lab - kernels) / the number of te_lab op calls one step
+makes: the per-call, per-direction cost above the op's own kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from te_lab.kernels import custom_ops, registered_ops, select_backend
+
+from .cases import OP_CASES, OPTIMIZER_OPS, OpCase, Size, op_cases
+from .harness import Contender, Sampling, interleaved, op_contender, upstream_gradients
+from .stats import speedup
+
+DEFAULT_SIZES = (Size(64, 64),)
+CONTENDERS = ("te_lab", "kernels", "eager")
+
+
+@contextlib.contextmanager
+def _recording(calls: list):
+    """Record every te_lab op call (the op and its arguments) made inside the block."""
+    original = custom_ops.CustomOp.__call__
+
+    def record(op, *args):
+        calls.append((op, args))
+        return original(op, *args)
+
+    custom_ops.CustomOp.__call__ = record
+    try:
+        yield
+    finally:
+        custom_ops.CustomOp.__call__ = original
+
+
+def recorded_kernels(fused: Callable, inputs: tuple, upstream: list) -> list[tuple[custom_ops.CustomOp, tuple]]:
+    """The te_lab op calls one forward+backward step of ``fused`` makes, with their arguments."""
+    calls: list = []
+    with _recording(calls):
+        op_contender("te_lab", fused, inputs, "forward+backward", upstream).step()
+    return calls
+
+
+def _kernels_step(calls: list) -> Callable[[], None]:
+    def run():
+        with torch.no_grad():
+            for op, args in calls:
+                op.__wrapped__(*args)
+    return run
+
+
+@dataclass
+class DispatchResult:
+    case: str
+    size: Size
+    backend: str
+    calls: int
+    median_us: dict
+    te_lab_vs_eager: Optional[dict]
+
+    @property
+    def overhead_per_call_us(self) -> Optional[float]:
+        if not self.calls:
+            return None
+        return (self.median_us["te_lab"] - self.median_us["kernels"]) / self.calls
+
+
+def run_case(case: OpCase, size: Size, device: torch.device, *, rounds: int, calls: int) -> DispatchResult:
+    fused = lambda *inputs: case.fused(*inputs, backend=None)  # noqa: E731 - the automatic choice
+    upstream = upstream_gradients(fused, case.inputs)
+    recorded = recorded_kernels(fused, case.inputs, upstream)
+    contenders = [op_contender("te_lab", fused, case.inputs, "forward+backward", upstream),
+                  Contender("kernels", _kernels_step(recorded)),
+                  op_contender("eager", case.baseline, case.inputs, "forward+backward", upstream)]
+    timings, _ = interleaved(contenders, device, rounds=rounds, warmup=3, sampling=Sampling(calls=calls))
+    ratio = speedup(timings["te_lab"], timings["eager"])
+    backend = select_backend(registered_ops()[case.op], device)
+    return DispatchResult(case.name, size, backend, len(recorded),
+                          {name: timings[name].median_ms * 1000 for name in CONTENDERS},
+                          {"value": ratio.value, "interval_low": ratio.interval_low,
+                           "interval_high": ratio.interval_high})
+
+
+def run(device: torch.device, sizes=DEFAULT_SIZES, *, rounds: int = 15, calls: int = 20,
+        dtype: torch.dtype = torch.float32, progress=lambda _: None) -> list[DispatchResult]:
+    results = []
+    for op in OP_CASES:
+        if op in OPTIMIZER_OPS:
+            continue
+        for size in sizes:
+            for case in op_cases(op, device, dtype, size):
+                progress(f"dispatch: {case.name} {size}")
+                results.append(run_case(case, size, device, rounds=rounds, calls=calls))
+    return results
+
+
+def as_record(result: DispatchResult) -> dict:
+    return {"case": result.case, "tokens": result.size.tokens, "hidden": result.size.hidden,
+            "backend": result.backend, "te_lab_op_calls": result.calls, "median_us": result.median_us,
+            "overhead_per_call_us": result.overhead_per_call_us, "te_lab_vs_eager": result.te_lab_vs_eager}
+
+
+def markdown(records: list[dict]) -> list[str]:
+    """The dispatch table (records as :func:`as_record` writes them)."""
+    lines = ["| case | size | backend | te_lab us | kernels alone us | eager us | te_lab op calls | "
+             "overhead per call us | te_lab vs eager |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        us = r["median_us"]
+        overhead = "-" if r["overhead_per_call_us"] is None else f"{r['overhead_per_call_us']:.1f}"
+        ratio = r["te_lab_vs_eager"]
+        lines.append(f"| {r['case']} | {r['tokens']}x{r['hidden']} | {r['backend']} | {us['te_lab']:.1f} | "
+                     f"{us['kernels']:.1f} | {us['eager']:.1f} | {r['te_lab_op_calls']} | {overhead} | "
+                     f"{ratio['value']:.2f}x [{ratio['interval_low']:.2f}-{ratio['interval_high']:.2f}] |")
+    return lines
+
+
+def main(argv=None) -> int:
+    from .suite import _size  # the suite's TOKENSxHIDDEN parser
+
+    parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.dispatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64x64", help="comma-separated TOKENSxHIDDEN sizes")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--calls", type=int, default=20, help="calls per timed sample")
+    args = parser.parse_args(argv)
+    try:
+        sizes = tuple(_size(text) for text in args.sizes.split(",") if text.strip())
+    except SystemExit as exit_status:
+        return int(exit_status.code)
+    for option in ("rounds", "calls"):
+        if getattr(args, option) < 1:
+            print(f"te_lab.benchmarks.dispatch: --{option}: got {getattr(args, option)}; expected a positive int",
+                  file=sys.stderr)
+            return 2
+    results = run(torch.device("cpu"), sizes, rounds=args.rounds, calls=args.calls,
+                  progress=lambda message: print(message, file=sys.stderr, flush=True))
+    print("\n".join(markdown([as_record(result) for result in results])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The dispatch benchmark (benchmarks/dispatch.py) and the suite's model entries."""
+
+import pytest
+import torch
+
+from te_lab.benchmarks import dispatch
+from te_lab.benchmarks.cases import Size, op_cases
+from te_lab.benchmarks.harness import upstream_gradients
+from te_lab.benchmarks.suite import PROFILES
+from te_lab.kernels import rms_norm
+
+CPU = torch.device("cpu")
+
+
+def _fused(case):
+    return lambda *inputs: case.fused(*inputs, backend=None)
+
+
+def test_recorded_kernels_replay_the_ops_forward_and_backward_with_their_own_arguments():
+    [case] = op_cases("rms_norm", CPU, torch.float32, Size(16, 64))
+    fused = _fused(case)
+    calls = dispatch.recorded_kernels(fused, case.inputs, upstream_gradients(fused, case.inputs))
+    assert [op.name for op, _ in calls] == ["rms_norm", "rms_norm_backward"]
+    (forward_op, forward_args), _ = calls
+    # Replaying the implementation computes what the public op computes.
+    replayed, _, _ = forward_op.__wrapped__(*forward_args)
+    x, weight = case.inputs
+    torch.testing.assert_close(replayed, rms_norm(x.detach(), weight.detach()))
+
+
+def test_a_case_reports_medians_and_the_overhead_per_call_from_them():
+    [case] = op_cases("rms_norm", CPU, torch.float32, Size(16, 64))
+    result = dispatch.run_case(case, Size(16, 64), CPU, rounds=3, calls=2)
+    record = dispatch.as_record(result)
+    assert record["te_lab_op_calls"] == 2 and record["backend"] in ("native", "inductor")
+    us = record["median_us"]
+    assert set(us) == {"te_lab", "kernels", "eager"} and all(v > 0 for v in us.values())
+    assert record["overhead_per_call_us"] == pytest.approx((us["te_lab"] - us["kernels"]) / 2)
+    assert record["te_lab_vs_eager"]["interval_low"] <= record["te_lab_vs_eager"]["interval_high"]
+    [row] = dispatch.markdown([record])[2:]
+    assert row.startswith("| rms_norm | 16x64 |")
+
+
+def test_model_entries_carry_their_own_batch_and_sequence():
+    cpu = PROFILES["cpu"]
+    assert cpu.model_batches() == [("llama-tiny", 2, 64), ("llama-mini", 2, 128), ("hf:llama-mini", 4, 256)]
+    assert PROFILES["quick"].model_batches() == [("llama-mini", 2, 128)]
+    from dataclasses import replace
+    with pytest.raises(ValueError, match=r"expected NAME or NAME@BATCHxSEQ"):
+        replace(cpu, models=("llama-tiny@2by64",)).model_batches()
