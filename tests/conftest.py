@@ -83,3 +83,12 @@ LOSS_OPTIONS = [
     pytest.param(0.0, 1e-4, id="z-loss"),
     pytest.param(0.1, 1e-4, id="smoothing-z-loss"),
 ]
+
+
+def assert_walks_column_blocks(log, op, block, rows_per_program):
+    """``op``'s forward and backward kernels in a te_lab.benchmarks LaunchLog were launched
+    on column blocks of ``block`` (a row wider than one) with ``rows_per_program``."""
+    launched = {record["kernel"].split(":")[1]: record["arguments"] for record in log.records.values()}
+    for kernel in (f"_{op}_forward_kernel", f"_{op}_backward_kernel"):
+        assert launched[kernel]["BLOCK"]["value"] == block and launched[kernel]["ONE_BLOCK"]["value"] is False
+    assert launched[f"_{op}_backward_kernel"]["rows_per_program"]["value"] == rows_per_program

@@ -5,7 +5,8 @@ import torch
 
 from te_lab.kernels.layer_norm import LAYER_NORM, layer_norm, layer_norm_reference
 
-from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, leaf
+from conftest import (DEVICE, DTYPES, assert_close, assert_walks_column_blocks, backend_params, fused_backends,
+                      grads_of, leaf)
 
 BACKENDS = backend_params(LAYER_NORM)
 
@@ -71,10 +72,7 @@ def test_rows_wider_than_one_column_block(monkeypatch, dtype, with_residual, wit
     with recording_launches(multiprocessors=1, execute=True) as log:
         outputs, grads = _run(layer_norm, x, residual, weight, bias, backend="triton")
     ref_outputs, ref_grads = _run(layer_norm_reference, x, residual, weight, bias)
-    launched = {record["kernel"].split(":")[1]: record["arguments"] for record in log.records.values()}
-    for kernel in ("_layer_norm_forward_kernel", "_layer_norm_backward_kernel"):
-        assert launched[kernel]["BLOCK"]["value"] == 256 and launched[kernel]["ONE_BLOCK"]["value"] is False
-    assert launched["_layer_norm_backward_kernel"]["rows_per_program"]["value"] == 3
+    assert_walks_column_blocks(log, "layer_norm", block=256, rows_per_program=3)
     for got, want in zip(outputs + grads, ref_outputs + ref_grads):
         assert_close(got, want, dtype, "triton", **({"atol": 1e-4} if dtype == torch.float32 else {}))
 

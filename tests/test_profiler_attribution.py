@@ -106,3 +106,32 @@ def test_a_gpu_trace_without_device_activity_falls_back_to_host_times_and_says_s
     assert block.launches == on_cpu.regions["block"].launches == 1
     assert [e.lane for e in fallback.timeline] == [e.lane for e in on_cpu.timeline] != []
     assert fallback.kernels == []
+
+
+def test_a_live_gpu_step_gets_the_same_figures_as_a_trace_file_would():
+    from te_lab.profiler import engine
+    from te_lab.profiler.device_kernels import device_figures
+
+    profiler = profiled_ops()
+    addmm, mm = op_id(profiler, "aten::addmm"), op_id(profiler, "aten::mm")
+    metadata = '"grid": [54, 1, 1], "est. achieved occupancy %": 50'
+    device_side = [live_activity("cuda_runtime", "cudaLaunchKernel", 1_000, 5, 77, addmm),
+                   live_activity("kernel", "gemm", 2_000, 400, 77, addmm),
+                   live_activity("cuda_runtime", "cudaLaunchKernel", 2_500, 5, 78, mm),
+                   live_activity("kernel", "gemm", 3_000, 600, 78, mm)]
+    for kernel in device_side[1::2]:
+        kernel.metadata_json = lambda: metadata
+    trace = attribute(Injected(profiler, activities=device_side), "fused", None, on_gpu=True)
+    assert [(e.path, e.start_us) for e in trace.timeline] == [("block", 0.0), ("mm", 1.0)]
+    profiled = engine._Profiled(trace, wall_ms=0.002, peak_memory_bytes=None, peak_memory_source="")
+    figures = {f.name: f.value for f in engine._device_figures("fused", profiled, 108)}
+    # over the 2 µs from the first kernel: kernels 2000..2400 and 3000..3600 ns
+    assert figures["device busy"] == pytest.approx(1000 / 2000)
+    assert figures["estimated SM efficiency"] == pytest.approx(0.5 * 1000 / 2000)
+    assert figures["achieved occupancy"] == pytest.approx(0.5)
+    # the gap 2400..3000: the second launch began at 2500 (100 ns waiting on the host), then 500 ns other;
+    # after the last kernel, 3600..4000: other
+    assert figures["device idle: waiting on host"] == pytest.approx(100 / 2000)
+    assert figures["device idle: other"] == pytest.approx((500 + 400) / 2000)
+    assert [(f.name, f.value) for f in device_figures(trace.kernels, 2_000, 4_000, 108, "fused", "x")] == \
+        list(figures.items())

@@ -6,7 +6,8 @@ import torch
 from te_lab.kernels import rms_norm, rms_norm_reference
 from te_lab.kernels.rms_norm import RMS_NORM
 
-from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, leaf
+from conftest import (DEVICE, DTYPES, assert_close, assert_walks_column_blocks, backend_params, fused_backends,
+                      grads_of, leaf)
 
 BACKENDS = backend_params(RMS_NORM)
 
@@ -69,10 +70,7 @@ def test_rows_wider_than_one_column_block(monkeypatch, dtype, with_residual, wit
     with recording_launches(multiprocessors=1, execute=True) as log:
         outputs, grads = _run(rms_norm, x, residual, weight, offset, backend="triton")
     ref_outputs, ref_grads = _run(rms_norm_reference, x, residual, weight, offset)
-    launched = {record["kernel"].split(":")[1]: record["arguments"] for record in log.records.values()}
-    for kernel in ("_rms_norm_forward_kernel", "_rms_norm_backward_kernel"):
-        assert launched[kernel]["BLOCK"]["value"] == 256 and launched[kernel]["ONE_BLOCK"]["value"] is False
-    assert launched["_rms_norm_backward_kernel"]["rows_per_program"]["value"] == 3
+    assert_walks_column_blocks(log, "rms_norm", block=256, rows_per_program=3)
     for got, want in zip(outputs + grads, ref_outputs + ref_grads):
         assert_close(got, want, dtype, "triton", **({"atol": 1e-4} if dtype == torch.float32 else {}))
 
