@@ -34,7 +34,9 @@ from .cases import OP_CASES, OPTIMIZER_OPS, OpCase, Size, op_cases
 from .harness import Contender, Sampling, interleaved, op_contender, upstream_gradients
 from .stats import speedup
 
-DEFAULT_SIZES = (Size(64, 64),)
+DEFAULT_SIZE = Size(64, 64)
+# The smallest whole heads of 128: attention's q/k/v, RoPE's GQA 4:1 k.
+SMALLEST = {"attention": Size(64, 128), "rope": Size(64, 512)}
 CONTENDERS = ("te_lab", "kernels", "eager")
 
 
@@ -102,13 +104,14 @@ def run_case(case: OpCase, size: Size, device: torch.device, *, rounds: int, cal
                            "interval_high": ratio.interval_high})
 
 
-def run(device: torch.device, sizes=DEFAULT_SIZES, *, rounds: int = 15, calls: int = 20,
+def run(device: torch.device, sizes: Optional[tuple[Size, ...]] = None, *, rounds: int = 15, calls: int = 20,
         dtype: torch.dtype = torch.float32, progress=lambda _: None) -> list[DispatchResult]:
+    """Every op case at ``sizes`` (default: 64 x 64, or the op's smallest legal size)."""
     results = []
     for op in OP_CASES:
         if op in OPTIMIZER_OPS:
             continue
-        for size in sizes:
+        for size in sizes or (SMALLEST.get(op, DEFAULT_SIZE),):
             for case in op_cases(op, device, dtype, size):
                 progress(f"dispatch: {case.name} {size}")
                 results.append(run_case(case, size, device, rounds=rounds, calls=calls))
@@ -140,12 +143,13 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.dispatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="64x64", help="comma-separated TOKENSxHIDDEN sizes")
+    parser.add_argument("--sizes", default=None, help="comma-separated TOKENSxHIDDEN sizes (default: 64x64, "
+                        "or the smallest each op takes: whole heads of 128)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
     parser.add_argument("--calls", type=int, default=20, help="calls per timed sample")
     args = parser.parse_args(argv)
     try:
-        sizes = tuple(_size(text) for text in args.sizes.split(",") if text.strip())
+        sizes = None if args.sizes is None else tuple(_size(t) for t in args.sizes.split(",") if t.strip())
     except SystemExit as exit_status:
         return int(exit_status.code)
     for option in ("rounds", "calls"):
