@@ -68,7 +68,8 @@ def record(out: Path, multiprocessors: int, only: str | None = None, ci: bool = 
     for entry in records:
         entry["realistic"] = any(label in realistic for label in entry["scenarios"])
     out.write_text(json.dumps({"triton": triton.__version__, "torch": torch.__version__,
-                               "multiprocessors": multiprocessors, "launches": log.launch_count,
+                               "scenario_set": "ci" if ci else "all", "multiprocessors": multiprocessors,
+                               "launches": log.launch_count,
                                "seconds": round(time.perf_counter() - started, 1),
                                "scenario_failures": failures, "records": records}, indent=1))
     print(f"record: {len(records)} distinct launches from {log.launch_count} launches, "
@@ -115,6 +116,7 @@ def compile_(records_path: Path, out: Path, targets: list[int] | None, jobs: int
     else:
         results = compile_records(recorded["records"], targets)
     out.write_text(json.dumps({"triton": triton.__version__, "targets": [f"sm_{t}" for t in targets],
+                               "scenario_set": recorded.get("scenario_set", "all"),
                                "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=1))
     failing = [(result, problem) for result in results for problem in problems(result)]
     print(f"compile: Triton {triton.__version__}, {len(results)} compiles for {targets}, "
@@ -175,8 +177,9 @@ def write_doc(result_paths: list[Path], out: Path) -> None:
         results = run["results"]
         failed = sum(r["status"] != "ok" for r in results)
         lines += ["", f"## Triton {run['triton']}: {', '.join(run['targets'])}", "",
-                  f"{len(results)} compiles, {failed} failed, {run['seconds']:.0f} s on this project's 2-core CI "
-                  "machine.", "",
+                  f"{len(results)} compiles of {'CI' if run.get('scenario_set') == 'ci' else 'all'} scenarios "
+                  f"(te_lab.benchmarks.kernel_scenarios), {failed} failed, {run['seconds']:.0f} s on this project's "
+                  "shared 2-core machine.", "",
                   "| kernel | target | compiled | registers | variants spilling | shared memory (B) "
                   "| tensor cores | num_warps | occupancy |",
                   "|---|---|---|---|---|---|---|---|---|", *_summary_rows(results)]

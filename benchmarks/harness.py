@@ -1,4 +1,4 @@
-"""Interleaved timing of contenders, as DESIGN.md asks: warm up, run A B C A B C ...,
+"""Interleaved timing of contenders, as docs/design.md asks: warm up, run A B C A B C ...,
 report medians and ratios, never one absolute time. The first call of each contender
 is timed on its own (it includes torch.compile's and Inductor's compile waits).
 

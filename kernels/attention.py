@@ -469,16 +469,23 @@ class _Triton:
         delta = torch.empty_like(lse)
         dq, dk, dv = _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)
         strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *dout.stride())
-        options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
-                       BLOCK_D=block_d, num_warps=num_warps, num_stages=_NUM_STAGES)
+        precision = _dot_precision(q)
+        # float32 tiles with two pipeline stages spill (dK/dV at head_dim 64 with a causal
+        # mask, 24 B per thread on sm_80): one stage there. In TF32, whose operand tiles are
+        # twice bf16's, dK/dV spills on 8 warps (ptxas caps it at 128 registers) and on 4
+        # (Triton 3.2, up to 80 B): it owns 16 keys per program instead of 32
+        options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=precision,
+                       BLOCK_D=block_d, num_warps=num_warps,
+                       num_stages=1 if q.dtype == torch.float32 else _NUM_STAGES)
+        dkdv_keys = 16 if precision == "tf32" else outer
         with devices.device_guard(q.device):
             _attention_delta_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
                 out, dout, delta, *out.stride(), *dout.stride(), heads_q, seq_q, head_dim,
                 BLOCK_M=outer, BLOCK_D=block_d)
-            _attention_dkdv_kernel[(triton.cdiv(seq_k, outer), batch * heads_kv)](
+            _attention_dkdv_kernel[(triton.cdiv(seq_k, dkdv_keys), batch * heads_kv)](
                 q, k, v, mask, dout, lse, delta, dk, dv, *strides,
                 heads_kv, heads_q // heads_kv, seq_q, seq_k, head_dim, scale,
-                BLOCK_M=inner, BLOCK_N=outer, **options)
+                BLOCK_M=inner, BLOCK_N=dkdv_keys, **options)
             _attention_dq_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
                 q, k, v, mask, dout, lse, delta, dq, *strides,
                 heads_q, heads_q // heads_kv, seq_q, seq_k, head_dim, scale,

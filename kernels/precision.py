@@ -8,7 +8,7 @@ import torch
 from .triton_support import HAS_TRITON, tl
 
 
-# DESIGN.md's tolerances for a fused result against its reference (forward output and
+# docs/design.md's tolerances for a fused result against its reference (forward output and
 # every gradient); float64 is for gradcheck-grade comparisons.
 TOLERANCES = {
     torch.float64: dict(rtol=1e-7, atol=1e-7),

@@ -3,7 +3,7 @@
 Everything that touches a device goes through here, so no other module needs to
 know which vendor it runs on. MUSA (Moore Threads, via torch_musa) is registered
 by torch as the PrivateUse1 backend with the device string ``"musa"``; the rules
-followed here are the ones in DESIGN.md: use the per-device module
+followed here are the ones in docs/design.md: use the per-device module
 (``torch.musa`` / ``torch.cuda``) for synchronisation, events and memory stats,
 never torch.accelerator's generic synchronize (broken on MUSA with torch 2.7), and
 never assume that a GPU is a CUDA GPU.

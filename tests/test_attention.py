@@ -201,25 +201,13 @@ def test_bf16_tensor_core_branch(batch, heads_q, heads_kv, seq_q, seq_k, head_di
         _assert_as_accurate(g, w, e, torch.bfloat16, "triton")
 
 
-@contextlib.contextmanager
-def _tf32_float32_matmuls():
-    """torch's float32 matmuls allowed TF32 for a while (the spelling of the torch in use)."""
-    matmul = torch.backends.cuda.matmul
-    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
-    saved = getattr(matmul, name)
-    setattr(matmul, name, value)
-    try:
-        yield
-    finally:
-        setattr(matmul, name, saved)
-
-
 @pytest.mark.triton_interpreter
 @pytest.mark.skipif(not TRITON or not interpreted("triton"), reason="needs the triton backend through the interpreter")
 def test_float32_dots_follow_torch_matmul_precision():
     """As SDPA's kernels on GPUs: float32 attention multiplies in TF32 where torch's float32
     matmul precision allows it and in IEEE float32 otherwise; bf16 is exact either way."""
     from te_lab.benchmarks.kernel_launches import recording_launches
+    from te_lab.benchmarks.kernel_scenarios import tf32_float32_matmuls
 
     def precisions(dtype):
         q, k, v, _ = _inputs(1, 2, 2, 16, 16, 32, None, dtype)
@@ -229,10 +217,25 @@ def test_float32_dots_follow_torch_matmul_precision():
                 for record in log.records.values() if "PRECISION" in record["arguments"]}
 
     assert precisions(torch.float32) == {"ieee"}
-    with _tf32_float32_matmuls():
+    with tf32_float32_matmuls():
         assert precisions(torch.float32) == {"tf32"}
         assert precisions(torch.bfloat16) == {"ieee"}
     assert precisions(torch.float32) == {"ieee"}
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(not TRITON or not interpreted("triton"), reason="needs the triton backend through the interpreter")
+def test_tf32_launches_compute_the_same_attention():
+    """The TF32 launches (dK/dV over 16 keys per program) give the formula's numbers where the
+    interpreter multiplies in float32, causal and GQA included."""
+    from te_lab.benchmarks.kernel_scenarios import tf32_float32_matmuls
+
+    q, k, v, mask = _inputs(1, 4, 2, 45, 45, 64, "pad-add", torch.float32)
+    with tf32_float32_matmuls():
+        got = _run(attention, q, k, v, causal=True, mask=mask, backend="triton")
+    want = _run(attention_reference, q, k, v, causal=True, mask=mask)
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32, "triton")
 
 
 @pytest.mark.parametrize("path", [

@@ -84,5 +84,5 @@ def test_compiled_fused_llama_matches_eager_fused():
         expected_loss, expected_grads = _loss_and_grads(model, batch)
         assert_close(loss, expected_loss)
         for grad, expected in zip(grads, expected_grads):
-            # Weight gradients are sums over every token; fp32 needs 1e-4 there (DESIGN.md).
+            # Weight gradients are sums over every token; fp32 needs 1e-4 there (docs/design.md).
             assert_close(grad, expected, rtol=1e-4, atol=1e-5)

@@ -3,7 +3,7 @@
 The protocol is the one Liger-Kernel proves its kernels with: mini models (4 layers)
 built from one seed, a copy fused and a copy left alone, both trained by AdamW on the
 same batches for 32 steps; every step's loss, the final model's top-k log-probabilities
-on a held-out batch and every final parameter are compared, float32 at DESIGN.md's
+on a held-out batch and every final parameter are compared, float32 at docs/design.md's
 tolerances and bfloat16 autocast at bfloat16's. One run adds gradient accumulation and
 activation checkpointing; a model with dropout on is compared statistically (different
 masks on each side, the curves' means compared against their noise).
@@ -86,7 +86,7 @@ def fused_and_unfused(model, batches):
     return model, original
 
 
-# Every step's loss is compared at DESIGN.md's tolerance for the dtype. The final
+# Every step's loss is compared at docs/design.md's tolerance for the dtype. The final
 # parameters and log-probabilities carry 32 steps of drift: AdamW divides each update by
 # the root of the squared gradients' running mean, so a weight whose gradient is nearly
 # zero moves by a full step either way on rounding noise (float32: up to ~6e-5 apart),

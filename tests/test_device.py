@@ -291,7 +291,7 @@ def test_triton_reason_is_computed_once_per_device_type(monkeypatch, fresh_trito
 # ---- no code path assumes a GPU is a CUDA GPU -----------------------------------------
 
 # Only the device layer may name a device type's module or compare against "cuda"; the
-# rest of te_lab asks it (DESIGN.md: MUSA is a first-class target).
+# rest of te_lab asks it (docs/design.md: MUSA is a first-class target).
 CUDA_ASSUMPTIONS = re.compile(
     r"""\.type\s*[!=]=\s*["']cuda|["']cuda["']\s*[!=]=|\.is_cuda\b|torch\.cuda\.|accelerator\.synchronize\s*\("""
 )

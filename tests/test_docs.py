@@ -1,7 +1,7 @@
-"""The README and docs/ name only what exists: every ``te_lab.*`` name resolves, every
-``te-lab`` command, ``make`` target and magic is real, the notebook table lists exactly
-the notebooks, and every relative link points at a tracked file or one a make target
-writes."""
+"""The README, CONTRIBUTING.md and docs/ (docs/design.md among them) name only what
+exists: every ``te_lab.*`` name resolves, every ``te-lab`` command, ``make`` target and
+magic is real, the notebook table lists exactly the notebooks, and every relative link
+points at a tracked file or one a make target writes."""
 
 import importlib
 import re
@@ -13,7 +13,7 @@ from te_lab.cli import build_parser
 from te_lab.extensions import MAGIC_NAMES
 
 REPO = Path(__file__).resolve().parent.parent
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCUMENTS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
 MAKEFILE = (REPO / "Makefile").read_text(encoding="utf-8")
 
 

@@ -44,7 +44,7 @@ def assert_same_training_signal(model, reference, batch):
     assert_close(loss, expected_loss)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
-        # Weight gradients are sums over every token; fp32 needs 1e-4 there (DESIGN.md).
+        # Weight gradients are sums over every token; fp32 needs 1e-4 there (docs/design.md).
         assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5), name
 
 

@@ -132,7 +132,7 @@ def assert_same_grads(model, reference):
     assert grads.keys() == expected.keys() and len(grads) > 0
     for name, grad in grads.items():
         # fp32 tolerance even for the weight and embedding gradients, sums over every token
-        # of the batch: at these sizes they differ by ~1e-7 (DESIGN.md allows 1e-4 there).
+        # of the batch: at these sizes they differ by ~1e-7 (docs/design.md allows 1e-4 there).
         assert_close(grad, expected[name], **TOLERANCES[torch.float32]), name
 
 

@@ -26,6 +26,8 @@ KERNEL_MODULES = ["rms_norm", "layer_norm", "cross_entropy", "fused_linear_cross
                   "glu", "bias_act", "adamw"]
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+# the first test to use the compile fixture waits for it: minutes, more on a busy machine
+compiles = pytest.mark.timeout(1800)
 
 
 def _gpu_kernels(*args):
@@ -60,6 +62,7 @@ def _kernel_names():
 
 @pytest.mark.triton_interpreter
 @needs_triton
+@compiles
 def test_every_kernel_is_launched_and_compiled_for_every_target(compiled):
     records, results, _ = compiled
     targets = {"sm_80"} if results["triton"].startswith("3.2.") else {"sm_90", "sm_80"}
@@ -73,6 +76,7 @@ def test_every_kernel_is_launched_and_compiled_for_every_target(compiled):
 
 @pytest.mark.triton_interpreter
 @needs_triton
+@compiles
 def test_no_spills_or_shared_memory_over_the_limit_at_realistic_sizes(compiled):
     _, results, compiling = compiled
     found = [f"{r['kernel']} {r['target']} ({r['scenarios'][0]}): {problem}"
@@ -83,6 +87,7 @@ def test_no_spills_or_shared_memory_over_the_limit_at_realistic_sizes(compiled):
 
 @pytest.mark.triton_interpreter
 @needs_triton
+@compiles
 def test_tensor_cores_where_the_dtype_allows_them(compiled):
     """Half-precision attention and TF32-allowed float32 use mma (sm_80) or wgmma (sm_90);
     IEEE float32 multiplies on the FMA units; the norms have no dots at all."""

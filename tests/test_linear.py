@@ -178,5 +178,5 @@ def _fused_llama_trains_like_the_original(model, batch):
         expected = torch.autograd.grad(expected_loss, list(model.parameters()))
     assert_close(loss, expected_loss)
     for grad, want in zip(grads, expected):
-        # weight gradients are sums over every token: fp32 needs 1e-4 there (DESIGN.md)
+        # weight gradients are sums over every token: fp32 needs 1e-4 there (docs/design.md)
         assert_close(grad, want, rtol=1e-4, atol=1e-5)

@@ -32,7 +32,7 @@ def check_quickstart(text: str) -> None:
 def check_huggingface(text: str) -> None:
     assert "te_lab.fuse: 10 of 10 candidate modules fused in LlamaForCausalLM" in text
     assert "(within tolerance)" in text
-    # float32 through sums over long rows: 1e-4 (DESIGN.md's tolerance table)
+    # float32 through sums over long rows: 1e-4 (docs/design.md's tolerance table)
     assert number_after("logits max abs diff:", text) <= 1e-4
     assert number_after("loss diff:", text) <= 1e-4
     assert number_after("worst max abs diff / max abs =", text) <= 1e-4

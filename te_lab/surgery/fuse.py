@@ -2,7 +2,7 @@
 
 ``fuse`` walks the model top-down. For each module it asks the selected rules in
 order; a :class:`~te_lab.surgery.rules.Match` offers fused twins, each probed against
-the module (forward and backward, DESIGN.md's tolerances) on the module's real inputs
+the module (forward and backward, docs/design.md's tolerances) on the module's real inputs
 from the user's sample or on synthesized ones. The first twin within tolerance
 replaces the module in its parent (or, for the LM head + loss, is installed as the
 model's ``forward``); a module whose twins all miss stays as it is, and the report says

@@ -112,7 +112,7 @@ def _tolerance_dtype(expected: Tensor) -> torch.dtype:
 
 
 def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, normwise: bool = False) -> Difference:
-    """Compare with DESIGN.md's tolerance for ``expected``'s dtype (under autocast: the
+    """Compare with docs/design.md's tolerance for ``expected``'s dtype (under autocast: the
     region's, see :func:`_tolerance_dtype`): element by element
     (``|a - b| <= atol + rtol * |b|``), or with ``normwise`` against the tensor's scale
     (``max |a - b| <= atol + rtol * max |b|``). Gradients are sums over every token; an
