@@ -28,12 +28,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-# How the last compile was made, per function name: "direct" (traced and lowered, called
-# without torch.compile's runtime) or "torch.compile" (the fallback). te-lab info shows it.
+# How each compiled function runs, by name: "direct" (traced and lowered, called without
+# torch.compile's runtime) or "torch.compile" (the fallback, after a lowering failed).
+# te-lab info shows it.
 LOWERING: dict[str, str] = {}
-# Graphs compiled so far in this process (both kinds): the profiler checks that none is
-# compiled inside a timed or profiled step.
-COMPILE_COUNT = [0]
 
 
 def _specialization(value) -> Any:
@@ -81,6 +79,10 @@ class _Lowered:
     guards: Optional[Callable]  # of the tensors, or None when unguarded
     nones: Optional[tuple]
 
+    def call(self, _args, tensors: list):
+        # The generated wrapper empties the list it is given: a fresh one per call.
+        return _unflatten(self.run(tensors), self.nones)
+
 
 def _lower(fn: Callable, args: tuple, tensor_positions: list[int]) -> _Lowered:
     """Trace ``fn`` on ``args`` with symbolic sizes (the non-tensor arguments baked in) and
@@ -125,36 +127,68 @@ def _torch_compiled(fn: Callable) -> Callable:
     return lambda args: compiled(*args)
 
 
+# Argument signatures remembered per function (a training loop repeats a few); past this
+# many, new signatures are still served, by the guard check alone.
+MAX_REMEMBERED_SIGNATURES = 256
+
+
 def inductor_compiled(fn: Callable) -> Callable:
     """``fn`` compiled with Inductor, one graph per specialisation of its arguments (see
-    the module doc); every call runs under no_grad with detached, contiguous tensors."""
+    the module doc); every call runs under no_grad with contiguous tensors.
+
+    A call whose argument signature (each tensor's dtype, device and shape, every other
+    argument's value) was seen before goes straight to the graph that served it; only a
+    new signature pays for the specialisation key and the guard check."""
     name = f"{fn.__module__}.{fn.__qualname__}"
     lowered: dict[tuple, list[_Lowered]] = {}
     fallback: dict[tuple, Callable] = {}
+    remembered: dict[tuple, Callable[[tuple, list], Any]] = {}
 
-    @functools.wraps(fn)
-    def run(*args):
-        args = tuple(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    def serving(args: tuple, tensors: list) -> Callable[[tuple, list], Any]:
+        """The callable that serves ``args``: a lowered graph whose guards hold, a new one,
+        or the torch.compile fallback."""
         key = tuple(_specialization(arg) for arg in args)
         if key in fallback:
-            with torch.no_grad():
-                return fallback[key](args)
-        tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+            return fallback[key]
         for graph in lowered.get(key, ()):
             if graph.guards is None or graph.guards(*tensors):
-                return _unflatten(graph.run(tensors), graph.nones)
-        COMPILE_COUNT[0] += 1
+                return graph.call
         try:
             graph = _lower(fn, args, [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)])
         except Exception as error:  # noqa: BLE001 - any lowering failure has the same remedy
             warnings.warn(f"te_lab: {name} runs through torch.compile (slower per call): "
-                          f"its direct Inductor lowering failed ({type(error).__name__}: {error})", stacklevel=2)
+                          f"its direct Inductor lowering failed ({type(error).__name__}: {error})", stacklevel=3)
             LOWERING[name] = "torch.compile"
-            fallback[key] = _torch_compiled(fn)
-            with torch.no_grad():
-                return fallback[key](args)
-        LOWERING[name] = "direct"
+            compiled = _torch_compiled(fn)
+
+            def through_torch_compile(args, _tensors):
+                with torch.no_grad():
+                    return compiled(args)
+
+            fallback[key] = through_torch_compile
+            return through_torch_compile
+        LOWERING.setdefault(name, "direct")
         lowered.setdefault(key, []).append(graph)
-        return _unflatten(graph.run(tensors), graph.nones)
+        return graph.call
+
+    @functools.wraps(fn)
+    def run(*args):
+        signature, tensors, contiguous = [], [], []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if not arg.is_contiguous():
+                    arg = arg.contiguous()
+                tensors.append(arg)
+                signature.append((arg.dtype, arg.device, arg.shape))
+            else:
+                signature.append(arg)
+            contiguous.append(arg)
+        signature = tuple(signature)
+        call = remembered.get(signature)
+        if call is None:
+            call = serving(tuple(contiguous), tensors)
+            if len(remembered) < MAX_REMEMBERED_SIGNATURES:
+                remembered[signature] = call
+        return call(contiguous, tensors)
 
     return run

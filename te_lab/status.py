@@ -10,7 +10,7 @@ import torch
 
 from te_lab import __version__
 from te_lab import device as devices
-from te_lab.kernels import available_backends, measured_choice, registered_ops, select_backend
+from te_lab.kernels import available_backends, compiled, measured_choice, registered_ops, select_backend
 
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
 
@@ -54,6 +54,9 @@ def status_lines() -> list[str]:
         lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
     lines.append(triton_line(default.type))
     lines.extend(measured_choice_lines())
+    slow = sorted(name for name, how in compiled.LOWERING.items() if how != "direct")
+    if slow:
+        lines.append(f"inductor graphs run through torch.compile (their direct lowering failed): {', '.join(slow)}")
     versions = ", ".join(f"{package} {version or 'not installed'}" for package, version in package_versions().items())
     lines.append(f"versions: {versions}; te_lab {__version__}; {torch.get_num_threads()} CPU threads")
     return lines
