@@ -23,9 +23,8 @@ import pytest
 import torch
 
 import te_lab
-from te_lab import models
-
 from conftest import TOLERANCES
+from te_lab import models
 
 STEPS = 32
 BATCHES = 4  # cycled over the steps, so the loss falls as the models learn them
