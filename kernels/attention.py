@@ -38,10 +38,9 @@ from te_lab import device as devices
 from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .costs.attention import COSTS
-from .precision import compute_dtype, float32_matmul_allows_tf32
 from .custom_ops import custom_op
-from .precision import compute_dtype
-from .registry import FusedOp, forced_backend, aten_kernel_exists, register_op, select_backend
+from .precision import compute_dtype, float32_matmul_allows_tf32
+from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "attention"

@@ -29,8 +29,16 @@ from .costs.layer_norm import COSTS
 from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
-from .triton_support import (HAS_TRITON, column_block, load_norm_input, norm_backward_warps, num_warps_for,
-                             row_ranges, tl, triton)
+from .triton_support import (
+    HAS_TRITON,
+    column_block,
+    load_norm_input,
+    norm_backward_warps,
+    num_warps_for,
+    row_ranges,
+    tl,
+    triton,
+)
 
 NAME = "layer_norm"
 

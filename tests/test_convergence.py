@@ -9,8 +9,9 @@ activation checkpointing; a model with dropout on is compared statistically (dif
 masks on each side, the curves' means compared against their noise).
 
 The models are a demo Llama, a Hugging Face Qwen2 and a demo GPT-2 (hidden 64, vocab
-256, 2 x 16 tokens a batch): the suite takes about a minute on a quiet 2-core CPU,
-most of it in bfloat16 autocast and the fused ops' first compiles.
+256, 2 x 16 tokens a batch). Each model is fused once for the file and each test trains
+copies; most of the time is the fused models' training steps, whose te_lab ops cost
+more per call than this model's tiny tensors save.
 """
 
 import copy
@@ -22,9 +23,8 @@ import pytest
 import torch
 
 import te_lab
-from te_lab import models
-
 from conftest import TOLERANCES
+from te_lab import models
 
 STEPS = 32
 BATCHES = 4  # cycled over the steps, so the loss falls as the models learn them
@@ -54,13 +54,13 @@ class Run:
     parameters: dict
 
 
-def train(model, batches, held_out, *, autocast_dtype=None, accumulation=1, dropout_seed=None) -> Run:
+def train(model, batches, held_out, *, steps=STEPS, autocast_dtype=None, accumulation=1, dropout_seed=None) -> Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     model.train()
     if dropout_seed is not None:
         torch.manual_seed(dropout_seed)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         step_loss = 0.0
         for micro in range(accumulation):
             ids = batches[(step * accumulation + micro) % len(batches)]
@@ -79,11 +79,24 @@ def train(model, batches, held_out, *, autocast_dtype=None, accumulation=1, drop
                {name: p.detach().clone() for name, p in model.named_parameters()})
 
 
-def fused_and_unfused(model, batches):
-    original = copy.deepcopy(model)
-    report = te_lab.fuse(model, sample={"input_ids": batches[0], "labels": batches[0]})
-    assert report.fused and report.model_check.within_tolerance, str(report)
-    return model, original
+_PAIRS: dict = {}
+
+
+def fused_pair(family: str, **overrides):
+    """Fresh copies of a fused mini model and of its unfused original, its training
+    batches and a held-out batch. Fusing (its probes and first compiles are most of a
+    test's time) happens once per model for the whole file; each test trains copies."""
+    key = (family, tuple(sorted(overrides.items())))
+    if key not in _PAIRS:
+        model = mini(family, **overrides)
+        vocab = model.config.vocab_size
+        batches, held_out = token_batches(vocab, BATCHES, seed=1), token_batches(vocab, 1, seed=2)[0]
+        original = copy.deepcopy(model)
+        report = te_lab.fuse(model, sample={"input_ids": batches[0], "labels": batches[0]})
+        assert report.fused and report.model_check.within_tolerance, str(report)
+        _PAIRS[key] = (model, original, batches, held_out)
+    fused, unfused, batches, held_out = _PAIRS[key]
+    return copy.deepcopy(fused), copy.deepcopy(unfused), batches, held_out
 
 
 # Every step's loss is compared at docs/design.md's tolerance for the dtype. The final
@@ -129,32 +142,28 @@ def gradient_free(name: str, parameter: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16-autocast"])
 def test_fused_training_converges_as_unfused(family, dtype):
-    model = mini(family)
-    vocab = model.config.vocab_size
-    batches, held_out = token_batches(vocab, BATCHES, seed=1), token_batches(vocab, 1, seed=2)[0]
-    fused, unfused = fused_and_unfused(model, batches)
+    fused, unfused, batches, held_out = fused_pair(family)
+    assert te_lab.is_fused(fused) and not te_lab.is_fused(unfused)
     autocast_dtype = None if dtype == torch.float32 else dtype
     assert_converge_alike(train(fused, batches, held_out, autocast_dtype=autocast_dtype),
                           train(unfused, batches, held_out, autocast_dtype=autocast_dtype), dtype)
 
 
 def test_accumulation_with_checkpointing_converges_as_unfused():
-    model = mini("qwen2")
-    batches, held_out = token_batches(model.config.vocab_size, BATCHES, seed=3), token_batches(model.config.vocab_size, 1, seed=4)[0]
-    fused, unfused = fused_and_unfused(model, batches)
+    """16 optimizer steps of 2 micro-batches each (32 forward and backward passes, each
+    layer's forward run twice by the checkpointing)."""
+    fused, unfused, batches, held_out = fused_pair("qwen2")
     for each in (fused, unfused):
         each.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert_converge_alike(train(fused, batches, held_out, accumulation=2),
-                          train(unfused, batches, held_out, accumulation=2), torch.float32)
+    assert_converge_alike(train(fused, batches, held_out, steps=STEPS // 2, accumulation=2),
+                          train(unfused, batches, held_out, steps=STEPS // 2, accumulation=2), torch.float32)
 
 
 def test_with_dropout_fused_and_unfused_learn_alike_statistically():
     """Each side draws its own masks (another seed), so the curves differ step by step;
     their means over the second half must agree within 4 standard errors of the
     per-step differences, and both must learn."""
-    model = mini("gpt2", dropout=0.1)
-    batches, held_out = token_batches(model.config.vocab_size, BATCHES, seed=5), token_batches(model.config.vocab_size, 1, seed=6)[0]
-    fused, unfused = fused_and_unfused(model, batches)
+    fused, unfused, batches, held_out = fused_pair("gpt2", dropout=0.1)
     fused_run = train(fused, batches, held_out, dropout_seed=11)
     unfused_run = train(unfused, batches, held_out, dropout_seed=12)
     differences = (fused_run.losses - unfused_run.losses)[STEPS // 2:].tolist()
@@ -168,9 +177,8 @@ def test_with_dropout_fused_and_unfused_learn_alike_statistically():
 def test_the_demo_gpt2_twins_draw_dropout_masks_in_the_originals_order():
     """What docs/api.md says: from one seed, a fused and an unfused forward in train mode
     draw the same masks (the twins make the same RNG calls in the same order)."""
-    model = mini("gpt2", dropout=0.1)
-    ids = token_batches(model.config.vocab_size, 1, seed=7)[0]
-    fused, unfused = fused_and_unfused(model, [ids])
+    fused, unfused, batches, _ = fused_pair("gpt2", dropout=0.1)
+    ids = batches[0]
     outputs = []
     for each in (fused, unfused):
         each.train()

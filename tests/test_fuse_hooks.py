@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 import te_lab
-from te_lab import models
-
 from sine_twin import FusedSine, Sine, sine_rule
+from te_lab import models
 
 
 class Block(nn.Module):

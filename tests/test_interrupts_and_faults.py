@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import te_lab
-
 from sine_twin import FusedSine, Sine, sine_rule
 
 

@@ -3,10 +3,17 @@
 import pytest
 import torch
 
+from conftest import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    assert_walks_column_blocks,
+    backend_params,
+    fused_backends,
+    grads_of,
+    leaf,
+)
 from te_lab.kernels.layer_norm import LAYER_NORM, layer_norm, layer_norm_reference
-
-from conftest import (DEVICE, DTYPES, assert_close, assert_walks_column_blocks, backend_params, fused_backends,
-                      grads_of, leaf)
 
 BACKENDS = backend_params(LAYER_NORM)
 

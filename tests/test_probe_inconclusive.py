@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 import te_lab
+from sine_twin import FusedSine, Sine, sine_rule
 from te_lab import models
 from te_lab.surgery.probe import compare, inconclusive_reason
-
-from sine_twin import FusedSine, Sine, sine_rule
 
 
 class Cosine(FusedSine):

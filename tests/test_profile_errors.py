@@ -8,10 +8,9 @@ import torch
 from torch import nn
 
 import te_lab
+from sine_twin import Sine, sine_rule
 from te_lab.cli import build_parser
 from te_lab.profiler import profile_statement
-
-from sine_twin import Sine, sine_rule
 
 
 class Embedded(nn.Module):

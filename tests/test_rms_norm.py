@@ -3,11 +3,18 @@
 import pytest
 import torch
 
+from conftest import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    assert_walks_column_blocks,
+    backend_params,
+    fused_backends,
+    grads_of,
+    leaf,
+)
 from te_lab.kernels import rms_norm, rms_norm_reference
 from te_lab.kernels.rms_norm import RMS_NORM
-
-from conftest import (DEVICE, DTYPES, assert_close, assert_walks_column_blocks, backend_params, fused_backends,
-                      grads_of, leaf)
 
 BACKENDS = backend_params(RMS_NORM)
 

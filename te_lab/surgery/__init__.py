@@ -4,11 +4,13 @@ twin against the layer, swap it in place, and undo it (``te_lab.fuse`` / ``unfus
 Importing this package registers the built-in rules, in the order they are tried.
 """
 
-from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401  (registration, in order)
+# The built-in rules register on import, in the order they are tried: keep this order.
+# isort: off
+from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401
+# isort: on
 from .fuse import Fusion, UnfuseResult, fuse, fusions, is_fused, unfuse, unfused
 from .report import FusionReport, FusionRow, ModelCheck
-from .rules import (BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules,
-                    unregister_rule)
+from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules, unregister_rule
 
 __all__ = [
     "BuildOptions",

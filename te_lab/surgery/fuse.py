@@ -33,8 +33,16 @@ from te_lab.options import check_backend
 from . import hooks
 from . import report as reports
 from .inspection import tensor_like
-from .probe import (Difference, ProbeResult, capture_inputs, compare, inconclusive_reason, probe, quiet_state,
-                    trainable_parameters)
+from .probe import (
+    Difference,
+    ProbeResult,
+    capture_inputs,
+    compare,
+    inconclusive_reason,
+    probe,
+    quiet_state,
+    trainable_parameters,
+)
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .timing import median_times_ms
 

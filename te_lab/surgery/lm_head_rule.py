@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from te_lab.inputs import call_with
-from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 from te_lab.modules.linear_like import in_out_features, is_linear_like
+from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 
 from .inspection import takes_argument, tensor_like
 from .probe import quiet_state

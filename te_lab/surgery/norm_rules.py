@@ -106,7 +106,8 @@ RMSNORM = register_builtin_rule(FusionRule(
     "rmsnorm", "norm", "nn.RMSNorm and RMSNorm-like modules (weight, eps; Gemma's 1 + weight found by the probe)",
     match_rmsnorm))
 RESIDUAL_LAYERNORM = register_builtin_rule(FusionRule(
-    "residual_layernorm", "norm", "projection + dropout + LayerNorm(x + residual) blocks (BERT): the add joins the norm",
+    "residual_layernorm", "norm",
+    "projection + dropout + LayerNorm(x + residual) blocks (BERT): the add joins the norm",
     match_residual_layernorm))
 LAYERNORM = register_builtin_rule(FusionRule(
     "layernorm", "norm", "nn.LayerNorm and LayerNorm-like modules", match_layernorm))

@@ -147,7 +147,8 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
     if normwise:
         allowed = tolerance["atol"] + tolerance["rtol"] * scale
         within = max_abs <= allowed and not bool(torch.isnan(a).ne(torch.isnan(b)).any())
-        rule = f"the {dtype} tolerance allows {allowed:.3g} ({tolerance['atol']:g} + {tolerance['rtol']:g} x max |value|)"
+        rule = (f"the {dtype} tolerance allows {allowed:.3g} ({tolerance['atol']:g} + {tolerance['rtol']:g} "
+                f"x max |value|)")
     else:
         within = bool(torch.allclose(a, b, equal_nan=True, **tolerance))
         rule = f"the {dtype} tolerance allows {tolerance['atol']:g} + {tolerance['rtol']:g} x |value| per element"
@@ -186,7 +187,8 @@ def _argument_names(fn: Callable, inputs: ProbeInputs) -> list[str]:
     return names
 
 
-def _prepared(inputs: ProbeInputs, names: list[str], constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
+def _prepared(inputs: ProbeInputs, names: list[str],
+              constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
     """Fresh copies of the inputs; floating tensors not named constant require grad."""
     differentiable: list[tuple[str, Tensor]] = []
 
@@ -207,7 +209,8 @@ def _prepared(inputs: ProbeInputs, names: list[str], constant: frozenset) -> tup
     return ProbeInputs(args, kwargs), differentiable
 
 
-def prepare(original: Callable, inputs: ProbeInputs, constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
+def prepare(original: Callable, inputs: ProbeInputs,
+            constant: frozenset) -> tuple[ProbeInputs, list[tuple[str, Tensor]]]:
     """Fresh copies of ``inputs`` for one call, and the differentiable ones among them:
     floating tensors not named constant, named as ``original``'s signature names them
     (the same names serve its fused twin, which may take ``*args, **kwargs``)."""

@@ -94,7 +94,8 @@ class FusionReport:
     def summary(self) -> str:
         per_rule = ", ".join(f"{rule} {c.get(FUSED, 0)}/{sum(c.values())}" for rule, c in self.counts().items())
         lines = [f"te_lab.fuse: {len(self.fused)} of {len(self.rows)} candidate modules fused in {self.model_type} "
-                 f"on {self.device} (backend {self.backend})" + (f"; fused/candidates by rule: {per_rule}" if per_rule else "")]
+                 f"on {self.device} (backend {self.backend})"
+                 + (f"; fused/candidates by rule: {per_rule}" if per_rule else "")]
         if self.already_fused:
             lines.append(f"{len(self.already_fused)} module(s) were already fused and were left alone")
         if self.model_check is not None:

@@ -23,8 +23,8 @@ TIMED_ROUNDS = 7
 
 
 def median_times_ms(original: Callable, fused: Callable, inputs: ProbeInputs,
-                    parameters: list[tuple[str, nn.Parameter]], constant: frozenset, select: Callable[[Any], list[Tensor]],
-                    device: torch.device) -> tuple[float, float]:
+                    parameters: list[tuple[str, nn.Parameter]], constant: frozenset,
+                    select: Callable[[Any], list[Tensor]], device: torch.device) -> tuple[float, float]:
     """(original, fused) median forward + backward time in milliseconds."""
     contenders = {"original": original, "fused": fused}
     times: dict[str, list[float]] = {name: [] for name in contenders}
