@@ -67,9 +67,11 @@ def _sample_products(tokens: int, in_features: int, out_features: int, dtype: to
     weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
     dy = torch.full((tokens, out_features), 0.01, dtype=dtype)
 
+    @torch.no_grad()
     def onednn():
         matmul_nt(x, weight), matmul_nt(dy, weight.t()), matmul_nt(dy.t(), x.t())
 
+    @torch.no_grad()
     def blas():
         F.linear(x, weight), torch.mm(dy, weight), torch.mm(dy.t(), x)
 
@@ -108,6 +110,7 @@ LINEAR = register_op(FusedOp(
     implementations=_IMPLEMENTATIONS,
     # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend).
     cpu_preference="native",
+    cpu_choice_measured=True,
     native_supports=_native_supports,
     costs=COSTS,
 ))

@@ -31,7 +31,8 @@ WARMUP = 2
 ROUNDS = 7
 SAMPLE_SECONDS = 0.002
 
-_decisions: dict[str, dict] = {}
+_decisions: dict[str, dict] = {}  # "<decision> <shape class>" -> choice and timings, as cached on disk
+_known: dict[tuple, str] = {}  # (decision, shape class) -> choice: the per-call lookup
 
 
 def cpu_model() -> str:
@@ -93,6 +94,8 @@ def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str
     repeats the call until it spans about SAMPLE_SECONDS, so small products are timed
     above the clock's noise."""
     names = list(candidates)
+    for run in candidates.values():
+        run()  # a first call may compile (an Inductor graph): not part of any timing
     start = time.perf_counter()
     for _ in range(WARMUP):
         for run in candidates.values():
@@ -118,17 +121,21 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     the first time, then remembered. Returns
     ``default`` without measuring where measuring is off, and under torch.compile's
     tracing unless already decided."""
+    known = _known.get((decision, shape_class))
+    if known is not None:
+        return known
     key = f"{decision} {shape_class}"
     if not _decisions:
         _decisions.update(_load())
     if key in _decisions:
+        _known[(decision, shape_class)] = _decisions[key]["choice"]
         return _decisions[key]["choice"]
     if not measuring_enabled() or torch.compiler.is_compiling():
         return default
-    with torch.no_grad():
-        times = _median_times_us(candidates())
+    times = _median_times_us(candidates())
     choice = min(times, key=times.get)
     _decisions[key] = {"choice": choice, "median_us": {name: round(t, 1) for name, t in times.items()}}
+    _known[(decision, shape_class)] = choice
     _save()
     return choice
 
@@ -145,4 +152,5 @@ def forget(prefix: Optional[str] = None) -> None:
     _decisions.update(_load())
     for key in [key for key in _decisions if prefix is None or key.startswith(prefix)]:
         del _decisions[key]
+    _known.clear()
     _save()

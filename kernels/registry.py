@@ -51,6 +51,9 @@ class FusedOp:
     implementations: Mapping[str, object]
     cpu_preference: str = "inductor"
     native_supports: Callable[[str], bool] = field(default=lambda device_type: True)
+    # The automatic CPU choice of ``cpu_preference`` is kept per call only where it measured
+    # faster than ``reference`` on this machine for the call's sizes (te_lab::linear's routing).
+    cpu_choice_measured: bool = False
     costs: Mapping[str, Callable] = field(default_factory=dict)
 
     def backends(self) -> tuple[str, ...]:
@@ -173,6 +176,16 @@ def unavailable_reason(op: FusedOp, backend: str, device: torch.device) -> Optio
 def available_backends(op: FusedOp, device: torch.device) -> list[str]:
     """The backends that can run ``op`` on ``device``, in the order auto-selection tries them."""
     return [name for name in op.backends() if unavailable_reason(op, name, device) is None]
+
+
+def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
+    """:func:`select_backend`'s answer as a report should state it: an automatic choice
+    that is measured per call's sizes says so."""
+    chosen = select_backend(op, device, requested)
+    automatic = requested in (None, "auto") and forced_backend(op)[0] in (None, "auto")
+    if op.cpu_choice_measured and automatic and not devices.is_gpu(device) and chosen != "reference":
+        return f"{chosen} where measured faster, else reference"
+    return chosen
 
 
 def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:

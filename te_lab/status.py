@@ -11,6 +11,7 @@ import torch
 from te_lab import __version__
 from te_lab import device as devices
 from te_lab.kernels import available_backends, compiled, measured_choice, registered_ops, select_backend
+from te_lab.kernels.registry import describe_backend
 
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
 
@@ -51,7 +52,7 @@ def status_lines() -> list[str]:
     for name, op in registered_ops().items():
         chosen = select_backend(op, default)
         others = [b for b in available_backends(op, default) if b != chosen]
-        lines.append(f"  {name}: {chosen}" + (f" (also: {', '.join(others)})" if others else ""))
+        lines.append(f"  {name}: {describe_backend(op, default)}" + (f" (also: {', '.join(others)})" if others else ""))
     lines.append(triton_line(default.type))
     lines.extend(measured_choice_lines())
     slow = sorted(name for name, how in compiled.LOWERING.items() if how != "direct")

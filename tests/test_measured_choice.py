@@ -18,8 +18,10 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(measured_choice.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(measured_choice.CHOICES_ENV, raising=False)
     measured_choice._decisions.clear()
+    measured_choice._known.clear()
     yield tmp_path
     measured_choice._decisions.clear()
+    measured_choice._known.clear()
 
 
 def _counting(calls, name, seconds):
@@ -45,6 +47,7 @@ def test_the_faster_candidate_is_chosen_once_and_remembered_on_disk(fresh_cache)
     assert saved["decisions"]["demo (64,)"]["choice"] == "fast"
     assert saved["decisions"]["demo (64,)"]["median_us"]["slow"] >= 3000
     measured_choice._decisions.clear()
+    measured_choice._known.clear()
     assert measured_choice.choose("demo", (64,), candidates, default="slow") == "fast"
     assert calls == {"slow": rounds, "fast": rounds}
 
@@ -82,3 +85,15 @@ def test_linear_routing_follows_the_measurement_and_te_lab_info_shows_it(fresh_c
     with torch.profiler.profile() as trace:
         linear.linear(x, weight, backend="native")
     assert "te_lab::linear" in {event.name for event in trace.events()}
+
+
+@pytest.mark.skipif(not linear.LINEAR.native_supports("cpu"), reason="this torch build has no oneDNN linear")
+def test_reports_say_that_the_routing_is_measured_unless_forced():
+    from te_lab.kernels import use_backend
+    from te_lab.kernels.registry import describe_backend
+
+    cpu = torch.device("cpu")
+    assert describe_backend(linear.LINEAR, cpu) == "native where measured faster, else reference"
+    with use_backend(linear="native"):
+        assert describe_backend(linear.LINEAR, cpu) == "native"
+    assert describe_backend(linear.LINEAR, cpu, "reference") == "reference"

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from te_lab.kernels.registry import FusedOp, select_backend
+from te_lab.kernels.registry import FusedOp, describe_backend
 
 
 class FusedModule(nn.Module):
@@ -51,7 +51,7 @@ class FusedModule(nn.Module):
 
     def resolved_backends(self, device: torch.device) -> dict[str, str]:
         """Op name -> the backend each op runs on ``device`` (for the report)."""
-        return {op.name: select_backend(op, device, self.backend_for(op)) for op in self.ops}
+        return {op.name: describe_backend(op, device, self.backend_for(op)) for op in self.ops}
 
     def kernel_names(self) -> list[str]:
         return [f"te_lab::{op.name}" for op in self.ops]
