@@ -34,10 +34,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from te_lab.kernels.costs import OpCost, TensorSpec
-
 from te_lab.kernels.attention import attention
 from te_lab.kernels.bias_act import linear_act
+from te_lab.kernels.costs import OpCost, TensorSpec
 from te_lab.kernels.cross_entropy import cross_entropy
 from te_lab.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from te_lab.kernels.glu import glu

@@ -18,8 +18,9 @@ A contender and its compiled twin share one model and one optimizer (the weights
 training as the rounds go, alike for all). The training step is ``loss =
 model(**batch).loss; loss.backward(); optimizer.step()``, then, untimed,
 ``optimizer.zero_grad(set_to_none=True)``. Inference is ``model(input_ids=...).logits``
-under ``torch.no_grad()`` in eval mode (``use_cache=False`` for Hugging Face models). Inference runs first, on the freshly built
-weights, so the eager and fused logits can be compared; the training step's first loss
+under ``torch.no_grad()`` in eval mode (``use_cache=False`` for Hugging Face models).
+Inference runs first, on the freshly built weights, so the eager and fused logits can be
+compared; the training step's first loss
 is compared the same way (both models are at their first step then).
 
 Time to first step: build-time waits (``fuse``) plus the first call, which for the

@@ -91,10 +91,12 @@ def write_html(results: dict, path) -> pathlib.Path:
                                   "(fuse and compile waits included)", "seconds")]
     if results["ops"]:
         figures += [speedup_figure(results), bandwidth_figure(results)]
-    charts = "".join(figure.to_html(full_html=False, include_plotlyjs=index == 0) for index, figure in enumerate(figures))
+    charts = "".join(figure.to_html(full_html=False, include_plotlyjs=index == 0)
+                     for index, figure in enumerate(figures))
     met_label = {True: "yes", False: "NO", None: "not measured"}
     rows = "".join(f"<tr><td>{html.escape(t['target'])}</td><td>{met_label[t['met']]}</td>"
-                   f"<td>{html.escape(t['measured'])}<br>{'<br>'.join(html.escape(d) for d in t['detail'][:12])}</td></tr>"
+                   f"<td>{html.escape(t['measured'])}<br>"
+                   f"{'<br>'.join(html.escape(d) for d in t['detail'][:12])}</td></tr>"
                    for t in results["targets"])
     machine = "".join(f"<li>{html.escape(line[2:])}</li>" for line in machine_lines(results))
     document = f"""<!DOCTYPE html>

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from te_lab import device as devices
-from te_lab.kernels import FusedAdamW, available_backends, registered_ops, select_backend, use_backend
+from te_lab.kernels import FusedAdamW, available_backends, registered_ops, select_backend
 from te_lab.kernels.registry import aten_kernel_exists
 
 from .cases import OpCase, Size, adamw_bytes, adamw_parameters, op_cases

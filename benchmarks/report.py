@@ -67,13 +67,15 @@ def models_table(results: dict) -> list[str]:
                 f"| {record['model']} | {record['mode']} | {c['name']} | {c['first_call_ms']:.0f} "
                 f"| {c['time_to_first_step_s']:.1f} | {c['median_ms']:.1f} (±{c['spread_ms']:.1f}) "
                 f"| {c['tokens_per_s']:,.0f} | {_mib(c['peak_memory_bytes'])} "
-                f"| {_speedup_cell(record, c['name'], 'eager')} | {_speedup_cell(record, c['name'], 'torch.compile')} |")
+                f"| {_speedup_cell(record, c['name'], 'eager')} "
+                f"| {_speedup_cell(record, c['name'], 'torch.compile')} |")
     notes = []
     for record in results["models"]:
         check = record["check"]
         if check is not None:
             notes.append(f"- {record['model']} {record['mode']}: {record['parameters']:,} parameters, batch "
-                         f"{record['batch']} x seq {record['seq']}; fuse {record['fuse_s']:.1f} s ({record['fusion']}); "
+                         f"{record['batch']} x seq {record['seq']}; "
+                         f"fuse {record['fuse_s']:.1f} s ({record['fusion']}); "
                          f"eager vs te_lab {check['compared']} max |diff| {check['max_abs_difference']:.2g}")
     return lines + ([""] + notes if notes else [])
 

@@ -134,7 +134,8 @@ def evaluate(results: dict) -> list[dict]:
     for target_device, entries in (("cpu", cpu), ("gpu", gpu)):
         for text, checks in entries:
             if target_device == device:
-                targets.append(_target(device, text, checks(), "not measured in this run (other ops, models or dtypes)"))
+                targets.append(_target(device, text, checks(),
+                                       "not measured in this run (other ops, models or dtypes)"))
             else:
                 targets.append(_target(target_device, text, [], "not measured on this device"))
     return targets

@@ -43,8 +43,9 @@ def autocast_training_check(device: torch.device, *, model: str = "llama-mini", 
                             seq: int = 128, dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
                             progress=lambda _: None) -> dict:
     """Train ``model`` unfused and fused (``te_lab.fuse(..., backend=backend)``) for
-    ``steps`` steps each under autocast to ``dtype``. Returns both loss curves, whether they agree within ``dtype``'s tolerance
-    (``|fused - unfused| <= atol + rtol * |unfused|`` at every step), the largest
+    ``steps`` steps each under autocast to ``dtype``. Returns both loss curves, whether they
+    agree within ``dtype``'s tolerance (``|fused - unfused| <= atol + rtol * |unfused|`` at
+    every step), the largest
     difference, each contender's median step time and the fused model's speedup."""
     if steps < 2:
         raise ValueError(f"autocast_training_check(steps={steps}): expected at least 2 (a first step and a timed one)")
@@ -67,7 +68,8 @@ def autocast_training_check(device: torch.device, *, model: str = "llama-mini", 
     differences = [abs(f - u) for f, u in zip(curves["fused"], curves["unfused"])]
     agree = all(d <= tolerance["atol"] + tolerance["rtol"] * abs(u) for d, u in zip(differences, curves["unfused"]))
     ratio = speedup(timings["fused"], over=timings["unfused"])
-    return {"model": model, "dtype": str(dtype).removeprefix("torch."), "backend": backend, "steps": steps, "batch": batch, "seq": seq,
+    return {"model": model, "dtype": str(dtype).removeprefix("torch."), "backend": backend, "steps": steps,
+            "batch": batch, "seq": seq,
             "losses": curves, "within_tolerance": agree, "max_loss_difference": max(differences),
             "median_step_ms": {name: timing.median_ms for name, timing in timings.items()},
             "fused_speedup": ratio.as_dict()}

@@ -34,8 +34,12 @@ from torch import Tensor
 from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_label_tensor, check_labels_in_range, check_tensor
 from .costs.fused_linear_cross_entropy import COSTS
-from .cross_entropy import (IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS, check_loss_options,
-                            cross_entropy_reference, mean_over_labelled)
+from .cross_entropy import (
+    IMPLEMENTATIONS as CHUNK_IMPLEMENTATIONS,
+    check_loss_options,
+    cross_entropy_reference,
+    mean_over_labelled,
+)
 from .custom_ops import custom_op
 from .linear import matmul_nt, runs_on_onednn
 from .precision import compute_dtype

@@ -12,9 +12,9 @@ Backends: ``native`` runs all three products of a projection on oneDNN
 place, no copies); ``reference`` is ``F.linear`` with its own autograd. Backward: the
 products ``F.linear``'s autograd computes, dx = dy @ W, dW = dy^T @ x, db = rows of dy
 summed. Chosen automatically only where it measured faster on this machine, for float32
-inputs, per class of sizes (:mod:`te_lab.kernels.measured_choice`). Which projections are worth a custom op's dispatch (~50 us
-forward and backward) is the caller's call: te_lab's twins route the large ones here
-(:mod:`te_lab.modules.projection`).
+inputs, per class of sizes (:mod:`te_lab.kernels.measured_choice`). Which projections are
+worth a custom op's dispatch (~50 us forward and backward) is the caller's call: te_lab's
+twins route the large ones here (:mod:`te_lab.modules.projection`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ import torch
 
 from .triton_support import HAS_TRITON, tl
 
-
 # docs/design.md's tolerances for a fused result against its reference (forward output and
 # every gradient); float64 is for gradcheck-grade comparisons.
 TOLERANCES = {

@@ -5,11 +5,27 @@ fusion rules; it never imports IPython, ipywidgets or plotly.
 """
 
 from te_lab import device, distributed, kernels, models, modules, optim
-from te_lab.profiler import ProfileReport, ProfileRun, profile
 from te_lab.kernels import use_backend
+from te_lab.profiler import ProfileReport, ProfileRun, profile
 from te_lab.profiler.gpu_trace import GpuTrace, open_trace
-from te_lab.surgery import (BuildOptions, FusionReport, FusionRule, Match, ProbeInputs, Skip, UnfuseResult, Variant,
-                            fuse, fusions, is_fused, register_rule, rules, unfuse, unfused, unregister_rule)
+from te_lab.surgery import (
+    BuildOptions,
+    FusionReport,
+    FusionRule,
+    Match,
+    ProbeInputs,
+    Skip,
+    UnfuseResult,
+    Variant,
+    fuse,
+    fusions,
+    is_fused,
+    register_rule,
+    rules,
+    unfuse,
+    unfused,
+    unregister_rule,
+)
 
 __version__ = "0.1.0"
 

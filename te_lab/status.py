@@ -8,8 +8,7 @@ import importlib.metadata
 
 import torch
 
-from te_lab import __version__
-from te_lab import device as devices
+from te_lab import __version__, device as devices
 from te_lab.kernels import available_backends, compiled, measured_choice, registered_ops, select_backend
 from te_lab.kernels.registry import describe_backend
 

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from te_lab.kernels.activations import ACTIVATIONS, activate, activation_grad
-
 from conftest import assert_close
+from te_lab.kernels.activations import ACTIVATIONS, activate, activation_grad
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS)

@@ -8,11 +8,10 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw as torch_adamw
 
+from conftest import DEVICE, assert_close, backend_params, fused_backends, interpreted
 from te_lab.kernels import adamw
 from te_lab.kernels.adamw import ADAMW, FusedAdamW, adamw_reference_step
 from te_lab.kernels.registry import ENV_VAR, aten_kernel_exists, select_backend
-
-from conftest import DEVICE, assert_close, backend_params, fused_backends, interpreted
 
 # The optimizer's own per-parameter loop is a backend too.
 BACKENDS = [pytest.param("reference", id="reference")] + backend_params(ADAMW)

@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE, DTYPES, TOLERANCES, assert_close, backend_params, fused_backends, interpreted, leaf
 from te_lab.kernels import use_backend
 from te_lab.kernels.attention import ATTENTION, attention, attention_reference
-
-from conftest import DEVICE, DTYPES, TOLERANCES, assert_close, backend_params, fused_backends, interpreted, leaf
 
 # the module, not the function of the same name that te_lab.kernels exports
 attention_module = importlib.import_module("te_lab.kernels.attention")

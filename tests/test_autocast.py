@@ -12,9 +12,20 @@ import torch
 import torch.nn.functional as F
 
 import te_lab
+from conftest import DEVICE, TOLERANCES, backend_params, interpreted
 from te_lab import models
-from te_lab.kernels import (FusedAdamW, apply_rotary, apply_rotary_reference, attention, cross_entropy,
-                            fused_linear_cross_entropy, glu, layer_norm, linear_act, rms_norm)
+from te_lab.kernels import (
+    FusedAdamW,
+    apply_rotary,
+    apply_rotary_reference,
+    attention,
+    cross_entropy,
+    fused_linear_cross_entropy,
+    glu,
+    layer_norm,
+    linear_act,
+    rms_norm,
+)
 from te_lab.kernels.attention import ATTENTION
 from te_lab.kernels.bias_act import BIAS_ACT
 from te_lab.kernels.cross_entropy import CROSS_ENTROPY
@@ -26,8 +37,6 @@ from te_lab.kernels.registry import DISPATCH_KEYS
 from te_lab.kernels.rms_norm import RMS_NORM
 from te_lab.kernels.rope import ROPE
 from te_lab.modules import FusedRMSNorm
-
-from conftest import DEVICE, TOLERANCES, backend_params, interpreted
 
 AUTOCAST_DTYPE = torch.bfloat16
 

@@ -3,11 +3,9 @@
 import pytest
 import torch
 
-from te_lab.kernels.activations import ACTIVATIONS
-from te_lab.kernels.bias_act import (BIAS_ACT, bias_act, bias_act_reference, linear_act,
-                                     linear_act_reference)
-
 from conftest import DEVICE, DTYPES, TOLERANCES, assert_close, backend_params, fused_backends, leaf
+from te_lab.kernels.activations import ACTIVATIONS
+from te_lab.kernels.bias_act import BIAS_ACT, bias_act, bias_act_reference, linear_act, linear_act_reference
 
 BACKENDS = backend_params(BIAS_ACT)
 

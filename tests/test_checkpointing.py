@@ -12,12 +12,11 @@ from torch import nn
 from torch.utils import checkpoint
 
 import te_lab
+from conftest import DEVICE, assert_close
 from te_lab import models
 from te_lab.kernels.attention import ATTENTION
 from te_lab.kernels.registry import select_backend
 from te_lab.modules import FusedAttention, FusedQKVAttention, FusedRMSNorm
-
-from conftest import DEVICE, assert_close
 
 
 class Checkpointed(nn.Module):

@@ -10,10 +10,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from servers import free_port, serving
 
-from te_lab import ProfileReport
-from te_lab import device as devices
+from servers import free_port, serving
+from te_lab import ProfileReport, device as devices
 from te_lab.benchmarks.schema import SCHEMA_ID
 from te_lab.cli import build_parser, main
 from te_lab.cli.lab import checkout_notebooks, jupyter_command

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import te_lab
-from te_lab import kernels, models
-
 from conftest import DEVICE, assert_close
+from te_lab import kernels, models
 
 TE_LAB_SOURCES = (str(Path(te_lab.__file__).parent), str(Path(kernels.__file__).parent))
 

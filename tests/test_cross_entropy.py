@@ -4,9 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from te_lab.kernels.cross_entropy import CROSS_ENTROPY, REDUCTIONS, cross_entropy, cross_entropy_reference
-
 from conftest import DEVICE, DTYPES, LOSS_OPTIONS, assert_close, backend_params, fused_backends, grads_of, leaf
+from te_lab.kernels.cross_entropy import CROSS_ENTROPY, REDUCTIONS, cross_entropy, cross_entropy_reference
 
 BACKENDS = backend_params(CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from servers import free_port, serving
 
 playwright_api = pytest.importorskip("playwright.sync_api")

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 import te_lab
+from conftest import TOLERANCES, assert_close
 from te_lab import models
 from te_lab.modules import FusedModule
-
-from conftest import TOLERANCES, assert_close
 
 LAYERS = models.PRESETS["llama"]["tiny"].num_layers
 
@@ -444,10 +443,9 @@ def test_a_forced_backend_runs_every_op_that_has_it(family, backend):
     """Every op that implements the backend runs on it (Triton kernels through the
     interpreter on the CPU, compiled on GPUs); where the device cannot run it, the
     module stays unfused and the report says why, naming the op and the backend."""
+    from conftest import DEVICE
     from te_lab.kernels import registered_ops
     from te_lab.kernels.registry import unavailable_reason
-
-    from conftest import DEVICE
 
     model = getattr(models, family)("tiny", seed=0)
     reference = copy.deepcopy(model)

@@ -17,10 +17,17 @@ import pytest
 import torch
 
 import te_lab
-from te_lab.modules import (FusedAttention, FusedGatedMLP, FusedLayerNorm, FusedLMHeadLoss, FusedMLP,
-                            FusedQKVAttention, FusedResidualLayerNorm, FusedRMSNorm)
-
 from conftest import DEVICE, TOLERANCES, assert_close
+from te_lab.modules import (
+    FusedAttention,
+    FusedGatedMLP,
+    FusedLayerNorm,
+    FusedLMHeadLoss,
+    FusedMLP,
+    FusedQKVAttention,
+    FusedResidualLayerNorm,
+    FusedRMSNorm,
+)
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 

@@ -4,12 +4,25 @@ reference, and the structure that makes it worth having: no [tokens, vocab] tens
 import pytest
 import torch
 
+from conftest import (
+    DEVICE,
+    DTYPES,
+    LOSS_OPTIONS,
+    TOLERANCES,
+    assert_close,
+    backend_params,
+    fused_backends,
+    grads_of,
+    leaf,
+)
 from te_lab.kernels.cross_entropy import REDUCTIONS
-from te_lab.kernels.fused_linear_cross_entropy import (CHUNK_LOGITS_BYTES, FUSED_LINEAR_CROSS_ENTROPY,
-                                                       default_chunk_size, fused_linear_cross_entropy,
-                                                       fused_linear_cross_entropy_reference)
-
-from conftest import DEVICE, DTYPES, LOSS_OPTIONS, TOLERANCES, assert_close, backend_params, fused_backends, grads_of, leaf
+from te_lab.kernels.fused_linear_cross_entropy import (
+    CHUNK_LOGITS_BYTES,
+    FUSED_LINEAR_CROSS_ENTROPY,
+    default_chunk_size,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
 
 BACKENDS = backend_params(FUSED_LINEAR_CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS

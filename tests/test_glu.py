@@ -3,10 +3,9 @@
 import pytest
 import torch
 
+from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, leaf
 from te_lab.kernels.activations import ACTIVATIONS
 from te_lab.kernels.glu import GLU, geglu, glu, glu_reference, swiglu
-
-from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, leaf
 
 BACKENDS = backend_params(GLU)
 

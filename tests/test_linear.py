@@ -7,13 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import te_lab
+from conftest import DEVICE, assert_close, backend_params, grads_of, leaf
 from te_lab import models
 from te_lab.kernels import use_backend
 from te_lab.kernels.linear import LINEAR, linear, linear_reference
 from te_lab.modules import FusedGatedMLP
 from te_lab.modules.projection import MIN_ROUTED_WEIGHT, project, routes_to_linear
-
-from conftest import DEVICE, assert_close, backend_params, grads_of, leaf
 
 BACKENDS = backend_params(LINEAR)
 needs_native = pytest.mark.skipif("native" not in [p.values[0] for p in BACKENDS],

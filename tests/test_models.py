@@ -5,14 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICE, assert_close
 from te_lab.models import (
+    GPT2LM,
+    HUGGINGFACE_MODEL_NAMES,
     MODEL_NAMES,
     PRESETS,
-    GPT2LM,
     LlamaLM,
     LMOutput,
     RMSNorm,
-    HUGGINGFACE_MODEL_NAMES,
     build_model,
     example_batch,
     gpt2,
@@ -20,8 +21,6 @@ from te_lab.models import (
     llama,
 )
 from te_lab.models.llama import apply_rotary
-
-from conftest import DEVICE, assert_close
 
 FAMILIES = [pytest.param(llama, id="llama"), pytest.param(gpt2, id="gpt2")]
 
@@ -255,7 +254,8 @@ def test_state_dict_loads_into_hugging_face_and_computes_the_same(family):
     hf_model = build_model(f"hf:{family.__name__}-tiny", seed=1, device="cpu")
     if family is gpt2:
         # Hugging Face's GPT-2 projections are Conv1D: weights stored [in, out].
-        state = {k: v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v for k, v in state.items()}
+        conv1d_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+        state = {k: v.t() if k.endswith(conv1d_weights) else v for k, v in state.items()}
     hf_model.load_state_dict(state, strict=True)
     batch = model.example_batch(seq=20)
     out, hf_out = model(**batch), hf_model(**batch)

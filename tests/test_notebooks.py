@@ -11,7 +11,6 @@ nbformat = pytest.importorskip("nbformat")  # the Triton 3.2 test environment ha
 nbclient = pytest.importorskip("nbclient")
 
 from conftest import DEVICE  # noqa: E402
-
 from te_lab.kernels import registered_ops, select_backend  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))

@@ -21,14 +21,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import te_lab
+from conftest import backend_params
 from te_lab import models
 from te_lab.kernels import FusedAdamW
 from te_lab.kernels.adamw import ADAMW
 from te_lab.optim import OverlappedStep, overlap_step
 from te_lab.profiler import profile_statement
 from te_lab.profiler.attribution import peak_live_bytes
-
-from conftest import backend_params
 
 STEPS = 3
 

@@ -6,10 +6,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from te_lab.profiler.attribution import HostOp, LaunchIndex
 from te_lab.profiler import device_kernels as device_kernels_module
-from te_lab.profiler.device_kernels import (achieved_occupancy, busy_ns, device_figures, idle_split_ns,
-                                            overlap_ns, sm_efficiency)
+from te_lab.profiler.attribution import HostOp, LaunchIndex
+from te_lab.profiler.device_kernels import (
+    achieved_occupancy,
+    busy_ns,
+    device_figures,
+    idle_split_ns,
+    overlap_ns,
+    sm_efficiency,
+)
 from te_lab.profiler.kineto import live_activities
 
 
@@ -137,7 +143,8 @@ def test_figures_cover_computation_communication_and_their_overlap():
     activities = [Activity("cuda_runtime", "cudaLaunchKernel", 0, 1, 1), kernel(0, 100, 1, [132, 1, 1], 50),
                   Activity("cuda_runtime", "cudaLaunchKernel", 0, 1, 2),
                   Activity("kernel", "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 100, 2),
-                  Activity("cuda_runtime", "cudaMemcpyAsync", 0, 1, 3), Activity("gpu_memcpy", "Memcpy DtoD", 300, 50, 3)]
+                  Activity("cuda_runtime", "cudaMemcpyAsync", 0, 1, 3),
+                  Activity("gpu_memcpy", "Memcpy DtoD", 300, 50, 3)]
     kernels = device_kernels(activities)
     assert overlap_ns([k for k in kernels if k.is_collective], [k for k in kernels if k.is_computation]) == 50
     figures = {f.name: f.value for f in device_figures(kernels, 0, 400, 132, "fused", "the test's span")}

@@ -10,8 +10,8 @@ import torch
 
 psutil = pytest.importorskip("psutil")  # the Triton 3.2 test environment has only what kernels need
 
-from te_lab import device as devices
-from te_lab.profiler.sampler import UtilizationSampler
+from te_lab import device as devices  # noqa: E402
+from te_lab.profiler.sampler import UtilizationSampler  # noqa: E402
 
 THREAD_NAME = "te_lab-utilization-sampler"
 

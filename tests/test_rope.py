@@ -5,9 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
-
 from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, interpreted, leaf
+from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
 
 BACKENDS = backend_params(ROPE)
 
@@ -269,11 +268,13 @@ def _bad(**changes):
         (_bad(k=torch.ones(2, 2, 5, 6)), ValueError, ["rope", "k", "(2, 2, 5, 6)", "head_dim 8"]),
         (_bad(k=torch.ones(2, 2, 6, 8)), ValueError, ["rope", "k", "(2, 2, 6, 8)", "seq 5"]),
         (_bad(k=torch.ones(3, 2, 5, 8)), ValueError, ["rope", "k", "(3, 2, 5, 8)", "batch 2"]),
-        (_bad(q=torch.ones(4, 5, 8)), ValueError, ["rope", "q", "(4, 5, 8)", "4 dims", "[batch, heads, seq, head_dim]"]),
+        (_bad(q=torch.ones(4, 5, 8)), ValueError,
+         ["rope", "q", "(4, 5, 8)", "4 dims", "[batch, heads, seq, head_dim]"]),
         (_bad(cos=torch.ones(5, 7), sin=torch.ones(5, 7)), ValueError, ["rope", "cos", "rotary_dim", "7", "even"]),
         (_bad(cos=torch.ones(5, 10), sin=torch.ones(5, 10)), ValueError, ["rope", "cos", "10", "head_dim 8"]),
         (_bad(cos=torch.ones(6, 8), sin=torch.ones(6, 8)), ValueError, ["rope", "cos", "(6, 8)", "seq 5"]),
-        (_bad(cos=torch.ones(3, 5, 8), sin=torch.ones(3, 5, 8)), ValueError, ["rope", "cos", "(3, 5, 8)", "batch 1 or 2"]),
+        (_bad(cos=torch.ones(3, 5, 8), sin=torch.ones(3, 5, 8)), ValueError,
+         ["rope", "cos", "(3, 5, 8)", "batch 1 or 2"]),
         (_bad(cos=torch.ones(1, 1, 5, 8), sin=torch.ones(1, 1, 5, 8)), ValueError,
          ["rope", "cos", "(1, 1, 5, 8)", "[seq, rotary_dim]"]),
         (_bad(sin=torch.ones(5, 6)), ValueError, ["rope", "sin", "(5, 6)", "(5, 8)"]),

@@ -29,7 +29,8 @@ def raw_events(name):
 
 
 def device_events(name):
-    return [e for e in raw_events(name) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    device_categories = ("kernel", "gpu_memcpy", "gpu_memset")
+    return [e for e in raw_events(name) if e.get("ph") == "X" and e.get("cat") in device_categories]
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("ipywidgets")  # the Triton 3.2 test environment has no notebook stack
 Points = pytest.importorskip("plotly.callbacks").Points
 
-import te_lab
-from te_lab import models
-from te_lab.widgets import Dashboard
+import te_lab  # noqa: E402
+from te_lab import models  # noqa: E402
+from te_lab.widgets import Dashboard  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,18 @@ from __future__ import annotations
 from typing import Optional
 
 from . import layer_norm
-from .model import (ATTENTION_FORMULA, GEMM_FORMULA, Arguments, CostFunction, OpCost, TensorSpec, at,
-                    attention_flops, matmul_output, reading_inputs)
+from .model import (
+    ATTENTION_FORMULA,
+    GEMM_FORMULA,
+    Arguments,
+    CostFunction,
+    OpCost,
+    TensorSpec,
+    at,
+    attention_flops,
+    matmul_output,
+    reading_inputs,
+)
 
 # Copies and views: they move data (or nothing) but compute nothing.
 DATA_MOVEMENT_OPS = frozenset({

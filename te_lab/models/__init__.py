@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from .config import PRESETS, ModelConfig
-from .gpt2 import GPT2MLP, GPT2LM, GPT2Attention, GPT2Block, GPT2Body, gpt2
-from .llama import LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaLM, LlamaMLP, RMSNorm, RotaryEmbedding, llama
 from .batches import example_batch
 from .causal_lm import LMOutput
+from .config import PRESETS, ModelConfig
+from .gpt2 import GPT2LM, GPT2MLP, GPT2Attention, GPT2Block, GPT2Body, gpt2
 from .huggingface import ARCHITECTURES, huggingface
+from .llama import LlamaAttention, LlamaBody, LlamaDecoderLayer, LlamaLM, LlamaMLP, RMSNorm, RotaryEmbedding, llama
 
 _CONSTRUCTORS = {"llama": llama, "gpt2": gpt2}
 

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from te_lab import device as devices
 
-from .config import ModelConfig
 from .causal_lm import CausalLM, build_seeded, check_additive_mask, explicit_attention
+from .config import ModelConfig
 
 
 class GPT2Attention(nn.Module):

@@ -37,8 +37,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from te_lab import device as devices
-from te_lab import distributed
+from te_lab import device as devices, distributed
 from te_lab.inputs import ProbeInputs, as_call_inputs, output_tensors
 from te_lab.kernels import use_backend
 from te_lab.options import check_steps, check_warmup
@@ -48,8 +47,18 @@ from . import compiles, correction, regions, trace_files
 from .attribution import attribute
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
-from .report import (OTHER_KEY, Ceilings, Comparison, Environment, Figure, ModeSummary, ProfileReport, Region,
-                     RooflinePoint, Totals)
+from .report import (
+    OTHER_KEY,
+    Ceilings,
+    Comparison,
+    Environment,
+    Figure,
+    ModeSummary,
+    ProfileReport,
+    Region,
+    RooflinePoint,
+    Totals,
+)
 from .sampler import UtilizationSampler
 
 LOSS_KEY = "(model) lm_head + loss"

@@ -8,9 +8,10 @@ Importing this package registers the built-in rules, in the order they are tried
 # isort: off
 from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401
 # isort: on
-from .fuse import Fusion, UnfuseResult, fuse, fusions, is_fused, unfuse, unfused
+from .fuse import fuse
 from .report import FusionReport, FusionRow, ModelCheck
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules, unregister_rule
+from .swaps import Fusion, UnfuseResult, fusions, is_fused, unfuse, unfused
 
 __all__ = [
     "BuildOptions",

@@ -1,37 +1,31 @@
-"""fuse / unfuse / unfused: swap a model's layers for fused twins in place, and back.
+"""fuse: swap a model's layers for fused twins in place, each one verified first.
 
-``fuse`` walks the model top-down. For each module it asks the selected rules in
-order; a :class:`~te_lab.surgery.rules.Match` offers fused twins, each probed against
-the module (forward and backward, docs/design.md's tolerances) on the module's real inputs
-from the user's sample or on synthesized ones. The first twin within tolerance
-replaces the module in its parent (or, for the LM head + loss, is installed as the
-model's ``forward``); a module whose twins all miss stays as it is, and the report says
-by how much they missed. Modules inside a replaced one are covered by its twin.
+``fuse`` runs the model once on the user's sample to capture every candidate module's
+real inputs, then takes the candidates top-down (:mod:`.selection`). For each it asks the
+selected rules in order; a :class:`~te_lab.surgery.rules.Match` offers fused twins, each
+probed against the module (forward and backward, docs/design.md's tolerances) on the
+module's captured inputs or on synthesized ones. The first twin within tolerance replaces
+the module in its parent (or, for the LM head + loss, is installed as the model's
+``forward``); a module whose twins all miss stays as it is, and the report says by how
+much they missed. Modules inside a replaced one are covered by its twin.
 
-What was swapped is recorded on the model (an attribute outside ``state_dict``), so
-``unfuse`` puts the very original module objects back, and a second ``fuse`` leaves
-fused modules alone.
+The swaps are recorded on the model (:mod:`.swaps`), so ``unfuse`` puts the very
+original module objects back and a second ``fuse`` leaves fused modules alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from te_lab import distributed
 from te_lab.inputs import as_call_inputs, call_with, output_tensors
-from te_lab.modules.base import FusedModule
-from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 from te_lab.options import check_backend
 
-from . import hooks
-from . import report as reports
+from . import hooks, report as reports
 from .inspection import tensor_like
 from .probe import (
     Difference,
@@ -44,193 +38,9 @@ from .probe import (
     trainable_parameters,
 )
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
+from .selection import Candidate, Selection, already_fused, find_candidates
+from .swaps import Swap, record_swaps, sites_of
 from .timing import median_times_ms
-
-STATE_ATTRIBUTE = "_te_lab_fusion"
-
-
-@dataclass
-class Swap:
-    """One installed fusion: ``twin`` stands where ``original`` stood, at each
-    (parent, child name) in ``sites``, or, with no sites, as ``original.forward``."""
-
-    path: str
-    rule: str
-    original: nn.Module
-    twin: Any
-    sites: list = field(default_factory=list)
-
-    def install(self) -> None:
-        if self.sites:
-            self.twin.adopt_original()
-            hooks.share_hooks(self.original, self.twin)
-            for parent, name in self.sites:
-                parent._modules[name] = self.twin
-        else:
-            self.original.forward = self.twin
-
-    def is_installed(self) -> bool:
-        if self.sites:
-            return any(parent._modules.get(name) is self.twin for parent, name in self.sites)
-        return self.original.__dict__.get("forward") is self.twin
-
-    def remove(self) -> None:
-        restored = self.twin.restore_original()
-        if self.sites:
-            hooks.release_hooks(restored, self.twin)
-        for parent, name in self.sites:
-            if parent._modules.get(name) is self.twin:
-                parent._modules[name] = restored
-
-
-def _swaps(model: nn.Module) -> list[Swap]:
-    """Every installed swap recorded on ``model`` or on modules inside it, oldest first."""
-    found = []
-    for module in model.modules():
-        found.extend(swap for swap in module.__dict__.get(STATE_ATTRIBUTE, []) if swap.is_installed())
-    return found
-
-
-def _forget(model: nn.Module, swaps: Iterable[Swap]) -> None:
-    gone = {id(swap) for swap in swaps}
-    for module in model.modules():
-        if STATE_ATTRIBUTE in module.__dict__:
-            module.__dict__[STATE_ATTRIBUTE] = [s for s in module.__dict__[STATE_ATTRIBUTE] if id(s) not in gone]
-
-
-def is_fused(model: nn.Module) -> bool:
-    """Whether ``model`` holds any module te_lab swapped in."""
-    return bool(_swaps(model))
-
-
-@dataclass(frozen=True)
-class Fusion:
-    """An installed fusion, as tools (the profiler) see it."""
-
-    path: str
-    rule: str
-    kind: str
-    twin: Any
-    original_type: str
-
-    @property
-    def replaces_forward(self) -> bool:
-        return isinstance(self.twin, FusedLMHeadLoss)
-
-
-def fusions(model: nn.Module) -> list[Fusion]:
-    """The fusions installed in ``model`` (oldest first)."""
-    kinds = {rule.name: rule.kind for rule in rules()}
-    return [Fusion(swap.path, swap.rule, kinds.get(swap.rule, "other"), swap.twin, type(swap.original).__name__)
-            for swap in _swaps(model)]
-
-
-# ---- selection: only= / exclude= ------------------------------------------------------
-
-
-def _path_matches(path: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path, pattern + ".*")
-
-
-class Selection:
-    """``only`` / ``exclude`` entries: rule names or module-path globs (a glob also
-    selects the modules inside what it matches)."""
-
-    def __init__(self, only, exclude, paths: list[str], names: list[str]):
-        self.only_rules, self.only_paths = self._parse("only", only, paths, names)
-        self.exclude_rules, self.exclude_paths = self._parse("exclude", exclude, paths, names)
-        self.enabled_rules = frozenset(set(self.only_rules or names) - set(self.exclude_rules))
-        # A rule is wanted when it, or a rule its twins carry out (rope for attention), is enabled.
-        self._wanted = {rule.name for rule in rules() if rule.name in self.enabled_rules}
-        self._wanted |= {rule.realized_by for rule in rules() if rule.realized_by and rule.name in self.enabled_rules}
-
-    @staticmethod
-    def _parse(argument: str, value, paths: list[str], names: list[str]) -> tuple[list[str], list[str]]:
-        if value is None:
-            return [], []
-        entries = [value] if isinstance(value, str) else value
-        try:
-            entries = list(entries)
-        except TypeError:
-            raise TypeError(f"te_lab.fuse: {argument} must be a rule name, a module-path glob or a list of them, "
-                            f"got {type(value).__name__}") from None
-        rule_entries, path_entries = [], []
-        for entry in entries:
-            if not isinstance(entry, str):
-                raise TypeError(f"te_lab.fuse: {argument} entries must be strings, got {entry!r}")
-            if entry in names:
-                rule_entries.append(entry)
-            elif any(_path_matches(path, entry) for path in paths):
-                path_entries.append(entry)
-            else:
-                examples = ", ".join(p for p in paths[1:4])
-                raise ValueError(
-                    f"te_lab.fuse: {argument} entry {entry!r} is neither a rule name (valid: {', '.join(names)}) "
-                    f"nor a glob matching a module path of this model (paths look like: {examples})")
-        return rule_entries, path_entries
-
-    def allows(self, rule: FusionRule, path: str) -> bool:
-        if rule.realized_by is not None:
-            return False
-        if rule.name not in self._wanted:
-            return False
-        if self.only_paths and not any(_path_matches(path, p) for p in self.only_paths):
-            return False
-        return not any(_path_matches(path, p) for p in self.exclude_paths)
-
-
-# ---- candidates --------------------------------------------------------------------
-
-
-@dataclass
-class Candidate:
-    path: str
-    module: nn.Module
-    results: list  # (rule, Match | Skip)
-
-
-def _match(rule: FusionRule, module: nn.Module):
-    try:
-        return rule.match(module)
-    except Exception as error:  # noqa: BLE001 - a rule's bug must not stop the others
-        return Skip(f"rule {rule.name!r} raised {type(error).__name__}: {error}")
-
-
-def _already_fused(model: nn.Module) -> list[str]:
-    return [path for path, module in model.named_modules()
-            if isinstance(module, FusedModule) or isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)]
-
-
-def _candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
-    found = []
-    fused_prefixes: list[str] = []
-    for path, module in model.named_modules():
-        if any(path == p or path.startswith(p + ".") for p in fused_prefixes):
-            continue
-        if isinstance(module, FusedModule):
-            fused_prefixes.append(path)
-            continue
-        forward_fused = isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)
-        results = []
-        for rule in rules():
-            if not selection.allows(rule, path):
-                continue
-            result = _match(rule, module)
-            if isinstance(result, Match) and result.replaces_forward and forward_fused:
-                continue
-            if result is not None:
-                results.append((rule, result))
-        if results:
-            found.append(Candidate(path, module, results))
-    return found
-
-
-def _sites(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [(parent, name) for parent in model.modules() for name, child in parent._modules.items()
-            if child is module]
-
-
-# ---- fuse ------------------------------------------------------------------------------
 
 
 def _progress(items: list, enabled: Optional[bool], description: str):
@@ -341,7 +151,7 @@ class _Fuser:
                 row.status = reports.WOULD_FUSE
                 return row
             swap = Swap(candidate.path, rule.name, module, twin,
-                        [] if match.replaces_forward else _sites(self.model, module))
+                        [] if match.replaces_forward else sites_of(self.model, module))
             swap.install()
             self.swaps.append(swap)
             return row
@@ -431,8 +241,8 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     all_modules = dict(model.named_modules())
     selection = Selection(only, exclude, list(all_modules), [r.name for r in rules()])
     _, device = tensor_like(model)
-    already = _already_fused(model)
-    candidates = _candidates(model, selection)
+    already = already_fused(model)
+    candidates = find_candidates(model, selection)
     captured, before = {}, None
     sample_inputs = None if sample is None else as_call_inputs(sample, "te_lab.fuse", "sample")
     if sample_inputs is not None:
@@ -460,7 +270,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         _annotate(error, f"te_lab.fuse: stopped by {type(error).__name__} while processing {fuser.current}; "
                          f"every swap it had made is undone, the model is as before")
         raise
-    model.__dict__.setdefault(STATE_ATTRIBUTE, []).extend(fuser.swaps)
+    record_swaps(model, fuser.swaps)
     if dry_run:
         report.notes.append("dry run: nothing was swapped")
     if any(row.rule == "lm_head_loss" and row.status == reports.FUSED for row in rows):
@@ -502,59 +312,3 @@ def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: tor
                                    within_tolerance=difference.within_tolerance))
     check.inconclusive = inconclusive_reason(differences)
     return check
-
-
-# ---- unfuse ----------------------------------------------------------------------------
-
-
-@dataclass
-class UnfuseResult:
-    """What :func:`unfuse` restored (module paths; ``"(model)"`` for the model's forward)."""
-
-    model_type: str
-    restored: list = field(default_factory=list)
-
-    def __str__(self) -> str:
-        if not self.restored:
-            return f"te_lab.unfuse: nothing to restore; this {self.model_type} has no te_lab fusions"
-        return (f"te_lab.unfuse: restored {len(self.restored)} original module(s) in {self.model_type}: "
-                + ", ".join(self.restored))
-
-    __repr__ = __str__
-
-
-def _refuse_sharded_unfuse(model: nn.Module, caller: str) -> None:
-    if is_fused(model):
-        distributed.refuse_sharded(model, caller, "the originals kept for unfusing still hold the Parameters from "
-                                   "before sharding and would run stale weights; unfuse before sharding, or build "
-                                   "the model again unfused (state_dict keys are the same)")
-
-
-def unfuse(model: nn.Module) -> UnfuseResult:
-    """Put the original module objects back (with whatever their weights learned while
-    fused). On a model with no fusions it does nothing and says so."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"te_lab.unfuse: model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_sharded_unfuse(model, "te_lab.unfuse")
-    swaps = _swaps(model)
-    for swap in reversed(swaps):
-        swap.remove()
-    _forget(model, swaps)
-    return UnfuseResult(type(model).__name__, [swap.path or reports.ROOT_LABEL for swap in swaps])
-
-
-@contextlib.contextmanager
-def unfused(model: nn.Module) -> Iterator[nn.Module]:
-    """``with te_lab.unfused(model):`` runs the block on the original modules, then puts
-    the same fused twins back (no re-verification: they were verified when fused)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"te_lab.unfused: model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_sharded_unfuse(model, "te_lab.unfused")
-    swaps = _swaps(model)
-    for swap in reversed(swaps):
-        swap.remove()
-    try:
-        yield model
-    finally:
-        for swap in swaps:
-            swap.install()

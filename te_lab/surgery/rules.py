@@ -134,7 +134,3 @@ def unregister_rule(name: str) -> None:
 def rules() -> list[FusionRule]:
     """Every rule, in the order they are tried."""
     return list(reversed(_USER.values())) + list(_BUILT_IN.values())
-
-
-def rule_names() -> list[str]:
-    return [rule.name for rule in rules()]

@@ -12,8 +12,16 @@ from typing import Optional
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from .figures import (GROUP_BY, PHASES, gain_rows, gains_figure, roofline_figure, summary_cards, timeline_figure,
-                      utilization_figure)
+from .figures import (
+    GROUP_BY,
+    PHASES,
+    gain_rows,
+    gains_figure,
+    roofline_figure,
+    summary_cards,
+    timeline_figure,
+    utilization_figure,
+)
 
 GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
 NO_RERUN = ("No ProfileRun was given with this report (te_lab.show(report, rerun=te_lab.ProfileRun(...))): "

@@ -31,7 +31,8 @@ def write_html(report, path) -> pathlib.Path:
 <html><head><meta charset="utf-8"><title>te_lab profile: {html.escape(report.environment.target)}</title>
 <style>body {{ font-family: sans-serif; margin: 1.5em; }} .cards {{ display: flex; flex-wrap: wrap; gap: .8em; }}
 .card {{ border: 1px solid #ccc; border-radius: 6px; padding: .6em 1em; }} .title {{ color: #666; font-size: .85em; }}
-.value {{ font-size: 1.2em; }} table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: 2px 6px; }}
+.value {{ font-size: 1.2em; }} table {{ border-collapse: collapse; }}
+td, th {{ border: 1px solid #ddd; padding: 2px 6px; }}
 </style></head><body>
 <h1>te_lab profile: {html.escape(report.environment.target)} on {html.escape(report.environment.device_name)}</h1>
 <div class="cards">{cards}</div>
