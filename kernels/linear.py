@@ -19,7 +19,6 @@ twins route the large ones here (:mod:`te_lab.modules.projection`).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -35,12 +34,17 @@ from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, 
 
 NAME = "linear"
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
+def _onednn_has_bfloat16() -> bool:
+    """Whether this CPU has oneDNN's bfloat16 inner product (AVX512-BF16 or AMX; not on
+    AVX2-only CPUs): a constant under torch.compile."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
     """What oneDNN's inner product takes on this CPU: float32 always, bfloat16 where the
-    CPU has the instructions (AVX512-BF16 or AMX; not on AVX2-only CPUs), float16 never
-    here (it needs AVX512-FP16)."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    CPU has the instructions, float16 never here (it needs AVX512-FP16)."""
+    return (torch.float32, torch.bfloat16) if _onednn_has_bfloat16() else (torch.float32,)
 
 _EMPTY = (0,)
 
@@ -55,9 +59,15 @@ def matmul_nt(a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
+@torch.compiler.assume_constant_result
+def _onednn_available() -> bool:
+    """A property of the torch build; a constant under torch.compile (Dynamo refuses to trace
+    ``torch.backends.mkldnn.is_available``, which would break the graph at every projection)."""
+    return torch.backends.mkldnn.is_available() and aten_kernel_exists("mkldnn::_linear_pointwise", "cpu")
+
+
 def _native_supports(device_type: str) -> bool:
-    return (device_type == "cpu" and torch.backends.mkldnn.is_available()
-            and aten_kernel_exists("mkldnn::_linear_pointwise", "cpu"))
+    return device_type == "cpu" and _onednn_available()
 
 
 def _sample_products(tokens: int, in_features: int, out_features: int, dtype: torch.dtype):

@@ -124,13 +124,15 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     known = _known.get((decision, shape_class))
     if known is not None:
         return known
+    if torch.compiler.is_compiling():
+        return default  # no file I/O or timing inside a traced graph
     key = f"{decision} {shape_class}"
     if not _decisions:
         _decisions.update(_load())
     if key in _decisions:
         _known[(decision, shape_class)] = _decisions[key]["choice"]
         return _decisions[key]["choice"]
-    if not measuring_enabled() or torch.compiler.is_compiling():
+    if not measuring_enabled():
         return default
     times = _median_times_us(candidates())
     choice = min(times, key=times.get)

@@ -48,6 +48,18 @@ def test_fused_demo_model_traces_as_one_graph(name, labels):
     assert (model(**inputs).logits is None) == labels
 
 
+@pytest.mark.parametrize("routing", ["native", "auto"])
+def test_a_fused_llama_with_routed_projections_traces_as_one_graph(routing):
+    """Projections of 256 x 256 and up go through te_lab::linear; its routing (oneDNN or the
+    BLAS, forced or measured) is decided outside the graph."""
+    model = models.llama("tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2).to(DEVICE)
+    batch = models.example_batch(model, 2, 16)
+    with kernels.use_backend(linear=routing):
+        te_lab.fuse(model, sample=batch, progress=False)
+        explanation = _explain(model, batch)
+    assert explanation.graph_count == 1 and not explanation.break_reasons, explanation.break_reasons
+
+
 def test_fused_llama_traces_as_one_graph_under_autocast():
     model, batch = _fused("llama-tiny")
     explanation = _explain(model, batch, torch.bfloat16)
