@@ -1,7 +1,8 @@
 # te_lab's single entry point: `make test` sets up what the tests need and runs them.
 #
 #   make test            both passes below (what .ci/run runs)
-#   make test-main       .venv: te_lab[dev] with the newest Triton, the whole suite
+#   make lint            ruff: lint and import order (pyproject.toml's [tool.ruff]), seconds
+#   make test-main       .venv: te_lab[dev] with the newest Triton, make lint, then the whole suite
 #   make test-triton32   .venv-triton32: the Triton kernels through Triton 3.2's
 #                        interpreter, the release Moore Threads ships for MUSA
 #   make clean-venvs     remove both environments
@@ -64,11 +65,16 @@ fi; \
 exit "$$status"
 endef
 
-.PHONY: test test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
+.PHONY: test lint test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
 
 test: test-main test-triton32
 
-test-main: $(VENV)/$(STAMP)
+# First, since it takes seconds: a lint error fails the run before the long pytest passes.
+lint: $(VENV)/$(STAMP)
+	@echo "== ruff check (lint and import order)"
+	@$(VENV)/bin/ruff check .
+
+test-main: $(VENV)/$(STAMP) lint
 	@echo "== te_lab tests in $(VENV) ($$($(VENV)/bin/python $(INSTALLED_VERSIONS)))"
 	@$(call run_pytest,$(VENV),)
 
