@@ -34,12 +34,16 @@ import torch
 LOWERING: dict[str, str] = {}
 
 
+def _size_class(size: int) -> int:
+    """0, 1 or 2 for "two or more": tracing specialises sizes 0 and 1 to constants."""
+    return size if size < 2 else 2
+
+
 def _specialization(value) -> Any:
-    """What a compiled graph is specialised on: tensors by dtype, device type and rank
-    (sizes stay symbolic: which are 0 or 1 is left to the graph's guards), anything
-    else by value."""
+    """What a compiled graph is specialised on: tensors by dtype, device type and the class
+    of each size (the sizes themselves stay symbolic), anything else by value."""
     if isinstance(value, torch.Tensor):
-        return (value.dtype, value.device.type, value.dim())
+        return (value.dtype, value.device.type, tuple(_size_class(size) for size in value.shape))
     return (type(value), value)
 
 
@@ -112,7 +116,9 @@ def _lower(fn: Callable, args: tuple, tensor_positions: list[int]) -> _Lowered:
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), torch.no_grad():
         compiled = compile_fx_inner(gm, placeholders)
     # After lowering: Inductor adds guards of its own (e.g. a row short enough for one pass).
-    guards = _guard_function(fake_mode.shape_env.produce_guards_expression(placeholders), len(tensors))
+    # Static sizes too (ignore_static=False): a size the graph took as a constant is a guard.
+    guards = _guard_function(fake_mode.shape_env.produce_guards_expression(placeholders, ignore_static=False),
+                             len(tensors))
     direct = getattr(compiled, "current_callable", None)
     # The generated CPU wrapper takes contiguous tensors as they are. On GPUs, Inductor's
     # own entry re-aligns inputs its Triton kernels assume aligned: keep it there.
