@@ -135,15 +135,22 @@ def _refuse_sharded_unfuse(model: nn.Module, caller: str) -> None:
                                    "the model again unfused (state_dict keys are the same)")
 
 
-def unfuse(model: nn.Module) -> UnfuseResult:
-    """Put the original module objects back (with whatever their weights learned while
-    fused). On a model with no fusions it does nothing and says so."""
+def _remove_swaps(model: nn.Module, where: str) -> list:
+    """Check ``model`` (``where`` names the caller) and take its installed swaps out, last
+    first; the swaps, for the caller to forget or put back."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"te_lab.unfuse: model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_sharded_unfuse(model, "te_lab.unfuse")
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded_unfuse(model, where)
     swaps = installed_swaps(model)
     for swap in reversed(swaps):
         swap.remove()
+    return swaps
+
+
+def unfuse(model: nn.Module) -> UnfuseResult:
+    """Put the original module objects back (with whatever their weights learned while
+    fused). On a model with no fusions it does nothing and says so."""
+    swaps = _remove_swaps(model, "te_lab.unfuse")
     _forget(model, swaps)
     return UnfuseResult(type(model).__name__, [swap.path or reports.ROOT_LABEL for swap in swaps])
 
@@ -152,12 +159,7 @@ def unfuse(model: nn.Module) -> UnfuseResult:
 def unfused(model: nn.Module) -> Iterator[nn.Module]:
     """``with te_lab.unfused(model):`` runs the block on the original modules, then puts
     the same fused twins back (no re-verification: they were verified when fused)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"te_lab.unfused: model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_sharded_unfuse(model, "te_lab.unfused")
-    swaps = installed_swaps(model)
-    for swap in reversed(swaps):
-        swap.remove()
+    swaps = _remove_swaps(model, "te_lab.unfused")
     try:
         yield model
     finally:
