@@ -18,7 +18,8 @@
 #
 # Set-up runs once: each environment keeps a stamp that is newer than pyproject.toml
 # while its install is current, so a second `make test` goes straight to pytest.
-# PYTEST_ARGS is passed to both pytest runs (e.g. PYTEST_ARGS='-x -k rms_norm').
+# PYTEST_ARGS is passed to both pytest runs (e.g. PYTEST_ARGS='-x -k rms_norm');
+# PYTEST_WORKERS sets how many pytest-xdist workers each run uses (default: nproc).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -33,7 +34,7 @@ PYTEST_ARGS ?=
 # `torch` (or a range a newer release satisfies) would pull PyPI's multi-GB CUDA build.
 CPU_TORCH := torch==2.13.0
 # tqdm: te_lab.fuse's progress bar (the surgery tests run Triton kernels too).
-TRITON32_PACKAGES := $(CPU_TORCH) triton==3.2.0 'numpy<2.4' tqdm pytest pytest-timeout
+TRITON32_PACKAGES := $(CPU_TORCH) triton==3.2.0 'numpy<2.4' tqdm pytest pytest-timeout pytest-xdist
 # Triton 3.2's interpreter converts arrays to scalars the way numpy >= 1.25 deprecates,
 # thousands of times per run; that warning says nothing about te_lab.
 TRITON32_PYTEST_ARGS := -m triton_interpreter -W 'ignore:Conversion of an array with ndim > 0:DeprecationWarning'
@@ -51,12 +52,17 @@ INSTALLED_VERSIONS := -c 'import importlib.metadata as m; \
   names = {(d.metadata["Name"] or "").lower(): d.version for d in m.distributions()}; \
   print(" ".join(name + "==" + names[name] for name in ("torch", "triton") if name in names))'
 
+# pytest-xdist workers, one per core this process may use (CI's machine: 2). Each test
+# file runs whole in one worker (--dist loadfile): a file's module fixtures (the GPU
+# compile check, the distributed session) are built once, not once per worker.
+PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
+
 # Runs pytest, listing the slowest tests so CI's time budget stays visible; "no tests
 # collected" (exit 5) fails with a reason, since both passes have tests to run: none
 # means an environment is broken, not that all is well.
 # $(1): the venv, $(2): pytest arguments.
 define run_pytest
-status=0; $(1)/bin/python -m pytest --durations=10 $(2) $(PYTEST_ARGS) || status=$$?; \
+status=0; $(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=10 $(2) $(PYTEST_ARGS) || status=$$?; \
 if [ "$$status" -eq 5 ]; then \
   echo "make: pytest in $(1) collected no tests: PYTEST_ARGS selects none, or the environment" \
        "lacks what the tests need (for the Triton 3.2 pass: an importable triton)" >&2; \

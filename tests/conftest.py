@@ -15,6 +15,14 @@ import torch
 if not torch.cuda.is_available() and importlib.util.find_spec("torch_musa") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two workers, one per core of CI's machine) each
+# worker computes on one thread: two workers of two OpenMP threads each on two cores
+# spin against each other, which costs far more than the parallelism gains. Subprocesses
+# the tests start (notebooks, the CLI, the distributed ranks) inherit the same limit.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 from te_lab import device as devices  # noqa: E402
