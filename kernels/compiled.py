@@ -106,7 +106,11 @@ def _lower(fn: Callable, args: tuple, tensor_positions: list[int]) -> _Lowered:
         structure.append(nones)
         return tuple(leaves)
 
-    tensors = [args[i] for i in tensor_positions]
+    tensors = []
+    for i in tensor_positions:
+        # One tensor passed twice would trace as one input: the graph would assume every
+        # later call passes one tensor twice too.
+        tensors.append(args[i].clone() if any(args[i] is seen for seen in tensors) else args[i])
     # No duck sizing: two sizes equal in the first call (a 64 x 64 input) must stay two sizes.
     with fx_config.patch(use_duck_shape=False), torch.no_grad():
         # Decomposed as torch.compile's own tracing does: Inductor lowers only the core ops.
