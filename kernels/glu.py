@@ -27,6 +27,7 @@ from .checks import check_choice, check_like, check_tensor
 from .compiled import inductor_compiled
 from .costs.glu import COSTS
 from .custom_ops import custom_op
+from .layout import shaped_like
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -211,7 +212,7 @@ def _output_shape(gate: Tensor, up: Optional[Tensor]):
 @custom_op("te_lab::glu")
 def _glu_op(gate: Tensor, up: Optional[Tensor], activation: str, backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(_rows(gate), None if up is None else _rows(up), activation)
-    return y.view(_output_shape(gate, up))
+    return y.view(_output_shape(gate, up)) if up is None else shaped_like(y, gate)
 
 
 @_glu_op.register_fake
@@ -226,7 +227,7 @@ def _glu_backward_op(dy: Tensor, gate: Tensor, up: Optional[Tensor], activation:
     whole ``[..., 2N]`` gradient and the second is empty."""
     dgate, dup = _IMPLEMENTATIONS[backend].backward(
         _rows(dy), _rows(gate), None if up is None else _rows(up), activation)
-    return dgate.view(gate.shape), (gate.new_empty(_EMPTY) if up is None else dup.view(up.shape))
+    return shaped_like(dgate, gate), (gate.new_empty(_EMPTY) if up is None else shaped_like(dup, up))
 
 
 @_glu_backward_op.register_fake

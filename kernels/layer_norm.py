@@ -27,8 +27,9 @@ from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
 from .custom_ops import custom_op
-from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
+from .layout import as_rows, shaped_like
+from .precision import cast, compute_dtype, triton_compute_dtype
+from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
 from .triton_support import (
     HAS_TRITON,
     column_block,
@@ -114,21 +115,21 @@ class _Native:
         h = x if residual is None else x + residual
         acc = compute_dtype(h)
         y, mean, rstd = torch.native_layer_norm(
-            h.to(acc), [h.shape[-1]], None if weight is None else weight.to(acc),
-            None if bias is None else bias.to(acc), eps)
-        return y.to(x.dtype), (None if residual is None else h), mean.reshape(-1), rstd.reshape(-1)
+            cast(h, acc), [h.shape[-1]], None if weight is None else cast(weight, acc),
+            None if bias is None else cast(bias, acc), eps)
+        return cast(y, x.dtype), (None if residual is None else h), mean.view(-1), rstd.view(-1)
 
     @staticmethod
     def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
         acc = rstd.dtype
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy.to(acc), h.to(acc), [h.shape[-1]], mean[:, None], rstd[:, None],
-            None if weight is None else weight.to(acc), None if bias is None else bias.to(acc),
+            cast(dy, acc), cast(h, acc), [h.shape[-1]], mean.view(-1, 1), rstd.view(-1, 1),
+            None if weight is None else cast(weight, acc), None if bias is None else cast(bias, acc),
             [True, need_dw, need_db])
         if dh is not None:
             dx = dx.add_(dh)
-        return (dx.to(h.dtype), dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db else None)
+        return (cast(dx, h.dtype), cast(dw, weight.dtype) if need_dw else None,
+                cast(db, bias.dtype) if need_db else None)
 
 
 if HAS_TRITON:
@@ -312,14 +313,35 @@ _IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
+
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int):
+    """Forward and backward of an affine LayerNorm over ``rows`` x ``n`` on each CPU
+    backend, on constant inputs (the caller's RNG is left alone)."""
+    x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n)
+    dy = torch.full((rows, n), 0.01, dtype=dtype)
+    weight, bias = torch.ones(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+
+    def sample(implementation):
+        @torch.no_grad()
+        def run():
+            _, _, mean, rstd = implementation.forward(x, None, weight, bias, 1e-5)
+            implementation.backward(dy, None, x, weight, bias, mean, rstd, True, True)
+        return run
+
+    return {"native": sample(_Native), "inductor": sample(_Inductor)}
+
+
 LAYER_NORM = register_op(FusedOp(
     name=NAME,
     reference=layer_norm_reference,
     implementations=_IMPLEMENTATIONS,
-    # add + LayerNorm fwd+bwd, 4096 x 2048 float32 on the 2-core CPU, medians of
-    # interleaved runs against eager (x + r, F.layer_norm): native 1.13-1.21x,
-    # inductor 0.90-0.99x (Inductor's CPU row reductions are slower than ATen's).
+    # Native (ATen's kernels) by default; on the CPU the faster of native and inductor is
+    # measured per class of sizes: Inductor's wrapper costs less per call at small sizes,
+    # ATen's row reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU:
+    # native 1.13-1.21x eager, inductor 0.90-0.99x).
     cpu_preference="native",
+    cpu_measured=("native", "inductor"),
+    cpu_samples=_cpu_samples,
     native_supports=_native_supports,
     costs=COSTS,
 ))
@@ -333,12 +355,10 @@ _EMPTY = (0,)
 @custom_op("te_lab::layer_norm")
 def _layer_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    r2 = None if residual is None else residual.reshape(-1, n)
-    y, h, mean, rstd = _IMPLEMENTATIONS[backend].forward(x2, r2, weight, bias, eps)
-    h = x.new_empty(_EMPTY) if h is None else h.contiguous().view(x.shape)
-    return y.contiguous().view(x.shape), h, mean, rstd
+    y, h, mean, rstd = _IMPLEMENTATIONS[backend].forward(
+        as_rows(x), None if residual is None else as_rows(residual), weight, bias, eps)
+    h = x.new_empty(_EMPTY) if h is None else shaped_like(h, x)
+    return shaped_like(y, x), h, mean, rstd
 
 
 @_layer_norm_op.register_fake
@@ -352,11 +372,9 @@ def _(x, residual, weight, bias, eps, backend):
 def _layer_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
                             bias: Optional[Tensor], mean: Tensor, rstd: Tensor, need_dw: bool,
                             need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    n = h.shape[-1]
     dx, dw, db = _IMPLEMENTATIONS[backend].backward(
-        dy.reshape(-1, n), None if dh is None else dh.reshape(-1, n), h.reshape(-1, n),
-        weight, bias, mean, rstd, need_dw, need_db)
-    return (dx.contiguous().view(h.shape), h.new_empty(_EMPTY) if dw is None else dw,
+        as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, bias, mean, rstd, need_dw, need_db)
+    return (shaped_like(dx, h), h.new_empty(_EMPTY) if dw is None else dw,
             h.new_empty(_EMPTY) if db is None else db)
 
 
@@ -412,7 +430,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     if bias is not None:
         check_parameter(NAME, "bias", bias, x, "x", n)
     eps = check_positive(NAME, "eps", eps)
-    chosen = select_backend(LAYER_NORM, x.device, backend)
+    chosen = select_measured_backend(LAYER_NORM, x.device, backend, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "reference":
         return layer_norm_reference(x, weight, bias, eps, residual=residual)
     y, h, _, _ = _layer_norm_op(x, residual, weight, bias, eps, chosen)

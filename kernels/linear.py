@@ -29,8 +29,8 @@ from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
 from .checks import check_tensor
 from .costs.linear import COSTS
 from .custom_ops import custom_op
-from .measured_choice import choose, size_class
-from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
+from .layout import as_rows, shaped_like
+from .registry import FusedOp, aten_kernel_exists, forced_backend, measured_cpu_choice, register_op, select_backend
 
 NAME = "linear"
 
@@ -70,7 +70,7 @@ def _native_supports(device_type: str) -> bool:
     return device_type == "cpu" and _onednn_available()
 
 
-def _sample_products(tokens: int, in_features: int, out_features: int, dtype: torch.dtype):
+def _sample_products(dtype: torch.dtype, tokens: int, in_features: int, out_features: int):
     """A projection's three products (forward, dx, dW) on each library, on constant inputs
     of the given sizes (the caller's RNG and tensors are left alone)."""
     x = torch.full((tokens, in_features), 0.01, dtype=dtype)
@@ -86,17 +86,6 @@ def _sample_products(tokens: int, in_features: int, out_features: int, dtype: to
         F.linear(x, weight), torch.mm(dy, weight), torch.mm(dy.t(), x)
 
     return {"native": onednn, "reference": blas}
-
-
-def onednn_is_faster(tokens: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
-    """Whether a projection of these sizes runs its products faster on oneDNN than on
-    torch's BLAS on this machine: measured once per class of sizes (powers of two) and
-    cached per machine (:mod:`te_lab.kernels.measured_choice`)."""
-    shape_class = (str(dtype).split(".")[-1],) + tuple(
-        size_class(size) for size in (tokens, in_features, out_features))
-    sizes = shape_class[1:]
-    return choose("linear: oneDNN or BLAS", shape_class, lambda: _sample_products(*sizes, dtype),
-                  default="reference") == "native"
 
 
 class _Native:
@@ -120,7 +109,8 @@ LINEAR = register_op(FusedOp(
     implementations=_IMPLEMENTATIONS,
     # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend).
     cpu_preference="native",
-    cpu_choice_measured=True,
+    cpu_measured=("native", "reference"),
+    cpu_samples=_sample_products,
     native_supports=_native_supports,
     costs=COSTS,
 ))
@@ -130,8 +120,8 @@ LINEAR = register_op(FusedOp(
 
 @custom_op("te_lab::linear")
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend: str) -> Tensor:
-    y = _IMPLEMENTATIONS[backend].forward(x.reshape(-1, x.shape[-1]), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    y = _IMPLEMENTATIONS[backend].forward(as_rows(x), weight, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
 @_linear_op.register_fake
@@ -143,8 +133,8 @@ def _(x, weight, bias, backend):
 def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool,
                         backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = _IMPLEMENTATIONS[backend].backward(
-        dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]), weight, need_x, need_weight, need_bias)
-    return (x.new_empty(_EMPTY) if dx is None else dx.view(x.shape),
+        as_rows(dy), as_rows(x), weight, need_x, need_weight, need_bias)
+    return (x.new_empty(_EMPTY) if dx is None else shaped_like(dx, x),
             x.new_empty(_EMPTY) if dweight is None else dweight,
             x.new_empty(_EMPTY) if dbias is None else dbias)
 
@@ -220,7 +210,7 @@ def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
     if dtype != torch.float32 or forced == "reference":
         return "reference"
     tokens = x.numel() // max(x.shape[-1], 1)
-    return "native" if onednn_is_faster(tokens, weight.shape[1], weight.shape[0], dtype) else "reference"
+    return measured_cpu_choice(LINEAR, dtype, (tokens, weight.shape[1], weight.shape[0]), default="reference")
 
 
 def runs_on_onednn(x: Tensor, weight: Tensor) -> bool:

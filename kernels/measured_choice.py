@@ -27,7 +27,7 @@ import torch
 
 CHOICES_ENV = "TE_LAB_CHOICES"
 CACHE_ENV = "TE_LAB_CHOICES_CACHE"
-WARMUP = 2
+WARMUP = 3
 ROUNDS = 7
 SAMPLE_SECONDS = 0.002
 
@@ -96,11 +96,16 @@ def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str
     names = list(candidates)
     for run in candidates.values():
         run()  # a first call may compile (an Inductor graph): not part of any timing
-    start = time.perf_counter()
+    # A call's cost is its fastest warm-up call: on a loaded machine one call may wait a
+    # scheduler slice (tens of ms) for a thread, and sizing samples on that would leave
+    # one call per sample, all noise.
+    fastest = {name: float("inf") for name in names}
     for _ in range(WARMUP):
-        for run in candidates.values():
+        for name, run in candidates.items():
+            start = time.perf_counter()
             run()
-    per_round = (time.perf_counter() - start) / WARMUP
+            fastest[name] = min(fastest[name], time.perf_counter() - start)
+    per_round = sum(fastest.values())
     calls = max(1, min(1000, int(SAMPLE_SECONDS * len(names) / max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for round_index in range(ROUNDS):

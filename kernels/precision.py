@@ -40,3 +40,9 @@ def float32_matmul_allows_tf32() -> bool:
     if precision == "none":  # inherits the global setting
         precision = torch.backends.fp32_precision
     return precision == "tf32"
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``: itself when it is already (``Tensor.to`` returns it too, but
+    its call costs microseconds a small op's eager path feels)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)

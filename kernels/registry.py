@@ -28,6 +28,8 @@ import torch
 
 from te_lab import device as devices
 
+from .measured_choice import choose, size_class
+
 BACKENDS = ("triton", "native", "inductor", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
 
@@ -51,10 +53,14 @@ class FusedOp:
     implementations: Mapping[str, object]
     cpu_preference: str = "inductor"
     native_supports: Callable[[str], bool] = field(default=lambda device_type: True)
-    # The automatic CPU choice of ``cpu_preference`` is kept per call only where it measured
-    # faster than ``reference`` on this machine for the call's sizes (te_lab::linear's routing).
-    cpu_choice_measured: bool = False
+    # Backends whose automatic CPU choice is measured per class of a call's sizes, and
+    # ``cpu_samples(dtype, *size classes, *extras)``: name -> one forward and backward on
+    # inputs of those sizes (see measured_cpu_choice).
+    cpu_measured: tuple[str, ...] = ()
+    cpu_samples: Optional[Callable[..., Mapping[str, Callable[[], object]]]] = None
     costs: Mapping[str, Callable] = field(default_factory=dict)
+    # select_backend's automatic answers, remembered (a few microseconds per call).
+    automatic_backends: dict = field(default_factory=dict, compare=False, repr=False)
 
     def backends(self) -> tuple[str, ...]:
         """Every backend this op implements (whether a device can run it aside)."""
@@ -178,14 +184,49 @@ def available_backends(op: FusedOp, device: torch.device) -> list[str]:
     return [name for name in op.backends() if unavailable_reason(op, name, device) is None]
 
 
+def _measured_here(op: FusedOp, device: torch.device, requested: Optional[str]) -> bool:
+    """Whether ``op``'s backend for a call on ``device`` is chosen by measurement: an
+    automatic choice on the CPU for an op that measures its CPU backends."""
+    return (bool(op.cpu_measured) and not devices.is_gpu(device) and requested in (None, "auto")
+            and forced_backend(op)[0] in (None, "auto"))
+
+
 def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
     """:func:`select_backend`'s answer as a report should state it: an automatic choice
     that is measured per call's sizes says so."""
     chosen = select_backend(op, device, requested)
-    automatic = requested in (None, "auto") and forced_backend(op)[0] in (None, "auto")
-    if op.cpu_choice_measured and automatic and not devices.is_gpu(device) and chosen != "reference":
-        return f"{chosen} where measured faster, else reference"
+    if _measured_here(op, device, requested) and chosen in op.cpu_measured:
+        return f"{' or '.join(op.cpu_measured)}, whichever measured faster here for the sizes"
     return chosen
+
+
+def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...], extras: tuple = (),
+                        default: Optional[str] = None) -> str:
+    """The fastest of ``op.cpu_measured`` on this machine for a call of ``dtype`` whose sizes
+    fall in the class of ``sizes`` (each rounded up to a power of two) and with ``extras``
+    (e.g. the activation): measured once, interleaved, then cached per machine
+    (:mod:`te_lab.kernels.measured_choice`); ``default`` (the first candidate unless given)
+    where measuring is off."""
+    shape_class = (str(dtype).removeprefix("torch."),) + tuple(size_class(size) for size in sizes) + tuple(extras)
+    classes = tuple(size_class(size) for size in sizes)
+
+    def candidates():
+        samples = op.cpu_samples(dtype, *classes, *extras)
+        cpu = torch.device("cpu")
+        return {name: samples[name] for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None}
+
+    return choose(f"{op.name}: CPU backend", shape_class, candidates, default or op.cpu_measured[0])
+
+
+def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
+                            sizes: tuple[int, ...], extras: tuple = ()) -> str:
+    """:func:`select_backend`, except that where the choice is automatic on the CPU and the
+    op measures its CPU backends, the one that measured fastest for these sizes
+    (:func:`measured_cpu_choice`)."""
+    chosen = select_backend(op, device, requested)
+    if not _measured_here(op, device, requested) or chosen not in op.cpu_measured:
+        return chosen
+    return measured_cpu_choice(op, dtype, sizes, extras, default=chosen)
 
 
 def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
@@ -202,6 +243,17 @@ def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] =
                 f"{op.name}: backend {requested!r} (from {source}) cannot run on device {device}: {reason}"
             )
         return requested
+    if torch.compiler.is_compiling():  # a dict read there would be guarded on: decide afresh
+        return _automatic_backend(op, device)
+    # The automatic choice depends only on the device type and whether Triton runs there.
+    key = (device.type, devices.triton_unavailable_reason(device.type))
+    chosen = op.automatic_backends.get(key)
+    if chosen is None:
+        chosen = op.automatic_backends[key] = _automatic_backend(op, device)
+    return chosen
+
+
+def _automatic_backend(op: FusedOp, device: torch.device) -> str:
     # Triton is chosen automatically only on GPUs: the CPU interpreter is for tests.
     order = ("triton", "native", "inductor") if devices.is_gpu(device) else (op.cpu_preference, "native", "inductor")
     for candidate in order:

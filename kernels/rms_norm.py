@@ -26,6 +26,7 @@ from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.rms_norm import COSTS
 from .custom_ops import custom_op
+from .layout import as_rows, shaped_like
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
 from .triton_support import (
@@ -276,12 +277,10 @@ _EMPTY = (0,)
 @custom_op("te_lab::rms_norm")
 def _rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                  weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    r2 = None if residual is None else residual.reshape(-1, n)
-    y, h, rstd = _IMPLEMENTATIONS[backend].forward(x2, r2, weight, eps, weight_offset)
-    h = x.new_empty(_EMPTY) if h is None else h.contiguous().view(x.shape)
-    return y.contiguous().view(x.shape), h, rstd
+    y, h, rstd = _IMPLEMENTATIONS[backend].forward(
+        as_rows(x), None if residual is None else as_rows(residual), weight, eps, weight_offset)
+    h = x.new_empty(_EMPTY) if h is None else shaped_like(h, x)
+    return shaped_like(y, x), h, rstd
 
 
 @_rms_norm_op.register_fake
@@ -294,11 +293,9 @@ def _(x, residual, weight, eps, weight_offset, backend):
 def _rms_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
                           rstd: Tensor, weight_offset: float, need_dw: bool,
                           backend: str) -> tuple[Tensor, Tensor]:
-    n = h.shape[-1]
     dx, dw = _IMPLEMENTATIONS[backend].backward(
-        dy.reshape(-1, n), None if dh is None else dh.reshape(-1, n), h.reshape(-1, n),
-        weight, rstd, weight_offset, need_dw)
-    return dx.contiguous().view(h.shape), (h.new_empty(_EMPTY) if dw is None else dw)
+        as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, rstd, weight_offset, need_dw)
+    return shaped_like(dx, h), (h.new_empty(_EMPTY) if dw is None else dw)
 
 
 @_rms_norm_backward_op.register_fake

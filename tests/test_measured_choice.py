@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from te_lab import status
-from te_lab.kernels import measured_choice
+from te_lab.kernels import measured_choice, registered_ops, use_backend
+from te_lab.kernels.registry import describe_backend
 
 linear = importlib.import_module("te_lab.kernels.linear")  # the module: te_lab.kernels.linear is the op
 
@@ -72,7 +73,7 @@ def test_linear_routing_follows_the_measurement_and_te_lab_info_shows_it(fresh_c
     x, weight = torch.randn(200, 256), torch.randn(256, 256)
     out = linear.linear(x, weight)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
-    key = "linear: oneDNN or BLAS ('float32', 256, 256, 256)"
+    key = "linear: CPU backend ('float32', 256, 256, 256)"
     decision = measured_choice.decisions()[key]
     assert set(decision["median_us"]) == {"native", "reference"}
     assert decision["choice"] == min(decision["median_us"], key=decision["median_us"].get)
@@ -89,11 +90,36 @@ def test_linear_routing_follows_the_measurement_and_te_lab_info_shows_it(fresh_c
 
 @pytest.mark.skipif(not linear.LINEAR.native_supports("cpu"), reason="this torch build has no oneDNN linear")
 def test_reports_say_that_the_routing_is_measured_unless_forced():
-    from te_lab.kernels import use_backend
-    from te_lab.kernels.registry import describe_backend
-
     cpu = torch.device("cpu")
-    assert describe_backend(linear.LINEAR, cpu) == "native where measured faster, else reference"
+    assert describe_backend(linear.LINEAR, cpu) == "native or reference, whichever measured faster here for the sizes"
     with use_backend(linear="native"):
         assert describe_backend(linear.LINEAR, cpu) == "native"
     assert describe_backend(linear.LINEAR, cpu, "reference") == "reference"
+
+
+@pytest.mark.parametrize("op_name, call, sizes", [
+    pytest.param("layer_norm", lambda module, x: module.layer_norm(x, torch.ones(64), torch.zeros(64)),
+                 "('float32', 64, 64)", id="layer_norm"),
+    pytest.param("bias_act", lambda module, x: module.bias_act(x, torch.zeros(64), "silu"),
+                 "('float32', 64, 64, 'silu')", id="bias_act"),
+])
+def test_native_or_inductor_on_the_cpu_is_the_measured_faster_one(fresh_cache, monkeypatch, op_name, call, sizes):
+    module = importlib.import_module(f"te_lab.kernels.{op_name}")
+    op_function = f"_{op_name}_op"
+    ran = []
+    original = getattr(module, op_function)
+    monkeypatch.setattr(module, op_function, lambda *args: ran.append(args[-1]) or original(*args))
+    x = torch.randn(3, 20, 64)  # 60 rows: the class of 64
+    call(module, x)
+    decision = measured_choice.decisions()[f"{op_name}: CPU backend {sizes}"]
+    assert set(decision["median_us"]) == {"native", "inductor"}
+    assert ran == [decision["choice"]] == [min(decision["median_us"], key=decision["median_us"].get)]
+    call(module, x[:, :2])  # 6 rows: a new class, measured too
+    assert len([key for key in measured_choice.decisions() if key.startswith(op_name)]) == 2
+    with use_backend(**{op_name: "inductor"}):
+        call(module, x[:1, :1])
+    # A forced backend is not measured; the report states the automatic choice as measured.
+    assert ran[-1] == "inductor" and len([key for key in measured_choice.decisions() if key.startswith(op_name)]) == 2
+    assert describe_backend(registered_ops()[op_name], torch.device("cpu")) == (
+        "native or inductor, whichever measured faster here for the sizes")
+
