@@ -27,7 +27,7 @@ head_dim is padded to a power of two inside the kernels; rows of any length are 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +175,7 @@ class _Native:
 # tl.dot takes these (Triton 3.2 has no float64 dot).
 _TRITON_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Rows of head_dim (padded to a power of two) up to 512 bytes: 256 in fp16/bf16, 128 in
-# fp32. Wider float32 heads would need ~140 KB of shared memory (see _triton_blocks).
+# fp32. Wider float32 heads would need ~140 KB of shared memory (see _forward_blocks).
 MAX_TRITON_ROW_BYTES = 512
 # Masks handed to the kernels: none, additive (float) or boolean (True = attend).
 _NO_MASK, _ADDITIVE_MASK, _BOOLEAN_MASK = 0, 1, 2
@@ -408,22 +408,56 @@ def _dot_precision(x: Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and float32_matmul_allows_tf32() else "ieee"
 
 
-def _triton_blocks(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int, int, int, int]:
-    """(outer block, inner block, padded head_dim, num_warps): the outer block is the one a
-    program owns (queries in the forward and dQ, keys in dK/dV), the inner one the block it
-    walks. Both shrink for wide rows: compiled for sm_80 with two pipeline stages, every kernel
-    then stays under 80 KB of shared memory (MUSA and consumer GPUs have less than A100).
-    The backward, which holds two accumulators and more tiles per step, walks 32-row inner
+def _padded_head_dim(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())  # tl.dot needs every dim >= 16
+
+
+def _row_bytes(block_d: int, dtype: torch.dtype) -> int:
+    return block_d * torch.finfo(dtype).bits // 8
+
+
+def _forward_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(queries a program owns, keys it walks per step, padded head_dim, num_warps). Both
+    shrink for wide rows: compiled for sm_80 with two pipeline stages, every kernel then stays
+    under 80 KB of shared memory (MUSA and consumer GPUs have less than A100). Float32 at
+    512-byte rows (head_dim 128) owns 16 queries: 32 spilled 8-16 B per thread with a mask or
+    in TF32 (sm_80 under Triton 3.2, sm_90 under 3.9; te_lab.benchmarks.gpu_kernels)."""
+    block_d = _padded_head_dim(head_dim)
+    row_bytes = _row_bytes(block_d, dtype)
+    queries = 64 if row_bytes <= 256 else (16 if dtype == torch.float32 else 32)
+    return queries, (64 if row_bytes <= 128 else 32), block_d, (4 if row_bytes <= 128 else 8)
+
+
+class _BackwardBlocks(NamedTuple):
+    queries: int  # the query rows a dQ (and delta) program owns
+    keys: int  # the keys dQ walks per step
+    dkdv_keys: int  # the keys a dK/dV program owns
+    dkdv_queries: int  # the query rows dK/dV walks per step
+    block_d: int
+    num_warps: int
+
+
+def _backward_blocks(head_dim: int, dtype: torch.dtype, precision: str, masked: bool) -> _BackwardBlocks:
+    """The backward, which holds two accumulators and more tiles per step, walks 32-row
     blocks on 8 warps, and float32 (whose IEEE dots run on FMA, not tensor cores) owns 32-row
-    outer blocks there: the sizes at which nothing spills on sm_80 and sm_90 at head_dim 64
-    and 128 (te_lab.benchmarks.gpu_kernels; 64-row blocks on 4 warps spilled up to 640 bytes
-    per thread at 255 registers)."""
-    block_d = max(16, 1 << (head_dim - 1).bit_length())  # tl.dot needs every dim >= 16
-    row_bytes = block_d * torch.finfo(dtype).bits // 8
-    if backward:
-        outer = 64 if row_bytes <= 256 and dtype != torch.float32 else 32
-        return outer, 32, block_d, (4 if block_d <= 32 else 8)
-    return (64 if row_bytes <= 256 else 32), (64 if row_bytes <= 128 else 32), block_d, (4 if row_bytes <= 128 else 8)
+    blocks: the sizes at which nothing spills on sm_80 and sm_90 at head_dim 64 and 128
+    (te_lab.benchmarks.gpu_kernels; 64-row blocks on 4 warps spilled up to 640 bytes per
+    thread at 255 registers). In TF32, whose operand tiles are twice bf16's, dK/dV spills on
+    8 warps (ptxas caps it at 128 registers) and on 4 (Triton 3.2, up to 80 B): it owns 16
+    keys. A mask tile is one more load per step: float32 at 512-byte rows then takes 16-row
+    query blocks in both kernels (32 spilled up to 368 B in dK/dV on sm_90, 72 B in dK/dV and
+    16 B in dQ on sm_80 under Triton 3.2), and half precision owns 32 keys in dK/dV (64
+    spilled 8-40 B at 255 registers on sm_80)."""
+    block_d = _padded_head_dim(head_dim)
+    row_bytes = _row_bytes(block_d, dtype)
+    queries = 64 if row_bytes <= 256 and dtype != torch.float32 else 32
+    keys = dkdv_queries = 32
+    dkdv_keys = 16 if precision == "tf32" else queries
+    if masked and dtype == torch.float32 and row_bytes > 256:
+        queries = dkdv_queries = 16
+    elif masked:
+        dkdv_keys = min(dkdv_keys, 32)
+    return _BackwardBlocks(queries, keys, dkdv_keys, dkdv_queries, block_d, 4 if block_d <= 32 else 8)
 
 
 # Pipeline stages for the K/V (or Q/dO) tiles a program walks: two overlap loads with math
@@ -446,16 +480,16 @@ class _Triton:
     def forward(q, k, v, mask, causal, scale):
         batch, heads_q, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
-        outer, inner, block_d, num_warps = _triton_blocks(head_dim, q.dtype, backward=False)
+        queries, keys, block_d, num_warps = _forward_blocks(head_dim, q.dtype)
         mask, mask_strides, mask_kind = _kernel_mask(mask, (batch, heads_q, seq_q, seq_k))
         out = _seq_major_empty(q.shape, q)
         lse = _seq_major_empty(q.shape[:-1], q, torch.float32)
         with devices.device_guard(q.device):
-            _attention_forward_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
+            _attention_forward_kernel[(triton.cdiv(seq_q, queries), batch * heads_q)](
                 q, k, v, mask, out, lse, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
                 heads_q, heads_q // k.shape[1], seq_q, seq_k, head_dim, scale,
                 CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=_dot_precision(q),
-                BLOCK_M=outer, BLOCK_N=inner, BLOCK_D=block_d, num_warps=num_warps,
+                BLOCK_M=queries, BLOCK_N=keys, BLOCK_D=block_d, num_warps=num_warps,
                 num_stages=_NUM_STAGES)
         return out, lse
 
@@ -463,32 +497,29 @@ class _Triton:
     def backward(dout, q, k, v, mask, out, lse, causal, scale):
         batch, heads_q, seq_q, head_dim = q.shape
         heads_kv, seq_k = k.shape[1], k.shape[2]
-        outer, inner, block_d, num_warps = _triton_blocks(head_dim, q.dtype, backward=True)
+        precision = _dot_precision(q)
+        blocks = _backward_blocks(head_dim, q.dtype, precision, masked=mask is not None)
         mask, mask_strides, mask_kind = _kernel_mask(mask, (batch, heads_q, seq_q, seq_k))
         delta = torch.empty_like(lse)
         dq, dk, dv = _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)
         strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *dout.stride())
-        precision = _dot_precision(q)
         # float32 tiles with two pipeline stages spill (dK/dV at head_dim 64 with a causal
-        # mask, 24 B per thread on sm_80): one stage there. In TF32, whose operand tiles are
-        # twice bf16's, dK/dV spills on 8 warps (ptxas caps it at 128 registers) and on 4
-        # (Triton 3.2, up to 80 B): it owns 16 keys per program instead of 32
+        # mask, 24 B per thread on sm_80): one stage there
         options = dict(CAUSAL=causal, MASK_KIND=mask_kind, DOT=_dot_dtype(q), PRECISION=precision,
-                       BLOCK_D=block_d, num_warps=num_warps,
+                       BLOCK_D=blocks.block_d, num_warps=blocks.num_warps,
                        num_stages=1 if q.dtype == torch.float32 else _NUM_STAGES)
-        dkdv_keys = 16 if precision == "tf32" else outer
         with devices.device_guard(q.device):
-            _attention_delta_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
+            _attention_delta_kernel[(triton.cdiv(seq_q, blocks.queries), batch * heads_q)](
                 out, dout, delta, *out.stride(), *dout.stride(), heads_q, seq_q, head_dim,
-                BLOCK_M=outer, BLOCK_D=block_d)
-            _attention_dkdv_kernel[(triton.cdiv(seq_k, dkdv_keys), batch * heads_kv)](
+                BLOCK_M=blocks.queries, BLOCK_D=blocks.block_d)
+            _attention_dkdv_kernel[(triton.cdiv(seq_k, blocks.dkdv_keys), batch * heads_kv)](
                 q, k, v, mask, dout, lse, delta, dk, dv, *strides,
                 heads_kv, heads_q // heads_kv, seq_q, seq_k, head_dim, scale,
-                BLOCK_M=inner, BLOCK_N=dkdv_keys, **options)
-            _attention_dq_kernel[(triton.cdiv(seq_q, outer), batch * heads_q)](
+                BLOCK_M=blocks.dkdv_queries, BLOCK_N=blocks.dkdv_keys, **options)
+            _attention_dq_kernel[(triton.cdiv(seq_q, blocks.queries), batch * heads_q)](
                 q, k, v, mask, dout, lse, delta, dq, *strides,
                 heads_q, heads_q // heads_kv, seq_q, seq_k, head_dim, scale,
-                BLOCK_M=outer, BLOCK_N=inner, **options)
+                BLOCK_M=blocks.queries, BLOCK_N=blocks.keys, **options)
         return dq, dk, dv
 
 
