@@ -153,10 +153,19 @@ def _summary_rows(results: list[dict]) -> list[str]:
     return rows
 
 
+# What each scenario set of ``record`` covers, as the doc's header states it.
+_SCENARIO_SETS = {
+    "all": "every scenario of `te_lab.benchmarks.kernel_scenarios` (`record` without `--ci`), "
+           "realistic sizes and the larger ones reported only",
+    "ci": "only the subset CI compiles (`te_lab.benchmarks.kernel_scenarios.CI_SCENARIOS`, `record --ci`)",
+}
+
+
 def write_doc(result_paths: list[Path], out: Path) -> None:
     from .kernel_compile import TARGETS
 
     runs = [json.loads(path.read_text()) for path in result_paths]
+    covered = {run.get("scenario_set", "all") for run in runs}
     lines = [
         "# te_lab's Triton kernels on GPUs",
         "",
@@ -169,6 +178,8 @@ def write_doc(result_paths: list[Path], out: Path) -> None:
         "instructions in its PTX (`wgmma` on sm_90, `mma` on sm_80 and up), num_warps, and the",
         "theoretical occupancy (resident warps over the multiprocessor's maximum, from registers,",
         "warps and shared memory).",
+        "",
+        "Scenarios: " + "; ".join(_SCENARIO_SETS[name] for name in sorted(covered)) + ".",
         "",
         "Targets: " + "; ".join(f"{t.name} ({t.gpus}, {t.shared_per_block_optin} B shared memory per block)"
                                 for t in TARGETS.values()) + ".",

@@ -155,3 +155,4 @@ def test_the_doc_lists_every_kernel_for_every_target():
         for target in ("sm_90", "sm_80"):
             assert f"| `{kernel}` | {target} |" in text, (kernel, target)
     assert "## Triton 3.2.0: sm_80" in text
+    assert "Scenarios: every scenario of `te_lab.benchmarks.kernel_scenarios`" in text  # the full set
