@@ -41,7 +41,7 @@ CONTENDERS = ("te_lab", "kernels", "eager")
 
 
 @contextlib.contextmanager
-def _recording(calls: list):
+def recording_op_calls(calls: list):
     """Record every te_lab op call (the op and its arguments) made inside the block."""
     original = custom_ops.CustomOp.__call__
 
@@ -59,7 +59,7 @@ def _recording(calls: list):
 def recorded_kernels(fused: Callable, inputs: tuple, upstream: list) -> list[tuple[custom_ops.CustomOp, tuple]]:
     """The te_lab op calls one forward+backward step of ``fused`` makes, with their arguments."""
     calls: list = []
-    with _recording(calls):
+    with recording_op_calls(calls):
         op_contender("te_lab", fused, inputs, "forward+backward", upstream).step()
     return calls
 

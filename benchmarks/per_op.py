@@ -21,6 +21,7 @@ from te_lab.kernels import FusedAdamW, available_backends, registered_ops, selec
 from te_lab.kernels.registry import aten_kernel_exists
 
 from .cases import OpCase, Size, adamw_bytes, adamw_parameters, op_cases
+from .dispatch import recording_op_calls
 from .harness import Contender, Timing, interleaved, op_contender, op_sampling, peak_memory_bytes, upstream_gradients
 from .stats import speedup
 
@@ -54,17 +55,32 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(copy)
 
 
-def te_lab_backends(op_name: str, device: torch.device,
-                    only: Optional[tuple[str, ...]] = None) -> list[tuple[str, bool]]:
+def te_lab_backends(op_name: str, device: torch.device, only: Optional[tuple[str, ...]] = None,
+                    automatic: Optional[str] = None) -> list[tuple[str, bool]]:
     """(backend, picked automatically) for every backend that can be timed here (those in
     ``only``, where given): the reference only where automatic selection picks it (it is
-    what a user gets then), and Triton only on GPUs (the CPU's interpreter is for tests)."""
+    what a user gets then), and Triton only on GPUs (the CPU's interpreter is for tests).
+    ``automatic``: the backend the automatic choice runs for the case's inputs, where it
+    depends on them (see :func:`automatic_backend`)."""
     op = registered_ops()[op_name]
-    auto = select_backend(op, device)
+    auto = automatic or select_backend(op, device)
     timed = [b for b in available_backends(op, device)
              if (b != "reference" or b == auto) and (b != "triton" or devices.is_gpu(device))
              and (only is None or b in only)]
     return [(backend, backend == auto) for backend in timed]
+
+
+def automatic_backend(case: OpCase, device: torch.device) -> Optional[str]:
+    """For an op whose automatic CPU choice is measured per size class (layer_norm,
+    bias_act, linear), the backend that choice runs for the case's inputs: the backend
+    argument of the te_lab op its forward calls (reference when it calls none). None
+    elsewhere: the registry's choice does not depend on the inputs."""
+    if devices.is_gpu(device) or not registered_ops()[case.op].cpu_measured:
+        return None
+    calls: list = []
+    with recording_op_calls(calls), torch.no_grad():
+        case.fused(*case.inputs, backend=None)
+    return calls[0][1][-1] if calls else "reference"
 
 
 def case_functions(case: OpCase, device: torch.device,
@@ -73,7 +89,7 @@ def case_functions(case: OpCase, device: torch.device,
     contenders limited to ``backends`` where given."""
     functions = {"eager": (case.baseline, ContenderInfo("eager")),
                  "torch.compile": (compiled(case.baseline), ContenderInfo("torch.compile"))}
-    for backend, auto in te_lab_backends(case.op, device, backends):
+    for backend, auto in te_lab_backends(case.op, device, backends, automatic_backend(case, device)):
         run = (lambda backend: lambda *inputs: case.fused(*inputs, backend=backend))(backend)
         functions[f"te_lab[{backend}]"] = (run, ContenderInfo("te_lab", backend, auto))
     functional = liger_functional(device)

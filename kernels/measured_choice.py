@@ -124,13 +124,15 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     """The fastest of the candidates (``candidates()`` gives name -> a callable running one
     sample; it is called only to measure) for ``decision`` at ``shape_class``: measured
     the first time, then remembered. Returns
-    ``default`` without measuring where measuring is off, and under torch.compile's
-    tracing unless already decided."""
+    ``default`` without measuring where measuring is off, and, unless already decided,
+    under torch.compile's tracing or a dispatch or function mode."""
     known = _known.get((decision, shape_class))
     if known is not None:
         return known
-    if torch.compiler.is_compiling():
-        return default  # no file I/O or timing inside a traced graph
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        # No file I/O or timing inside a traced graph, nor under a mode (fake tensors,
+        # make_fx's tracing, a FLOP counter), which would take over the samples' tensors.
+        return default
     key = f"{decision} {shape_class}"
     if not _decisions:
         _decisions.update(_load())
