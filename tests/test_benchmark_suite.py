@@ -233,3 +233,21 @@ def test_a_case_that_breaks_is_recorded_and_the_run_goes_on(tmp_path):
     assert results["ops"] == [] and results["models"] == []
     assert [f["where"] for f in results["failures"]] == ["attention T=32 H=100 float32", "rope T=32 H=100 float32"]
     assert results["failures"][0]["error"].startswith("ValueError: op cases: hidden 100 must be a multiple of 128")
+
+
+def test_the_automatic_contender_is_the_backend_the_measured_choice_runs(tmp_path, monkeypatch):
+    from te_lab.kernels import measured_choice
+
+    monkeypatch.setenv(measured_choice.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(measured_choice, "_decisions", {})
+    monkeypatch.setattr(measured_choice, "_known", {})
+    cpu = torch.device("cpu")
+    case = cases.op_cases("layer_norm", cpu, torch.float32, cases.Size(64, 64))[0]
+    automatic = per_op.automatic_backend(case, cpu)
+    (decision,) = measured_choice.decisions().values()
+    assert automatic == decision["choice"] in ("native", "inductor")
+    functions = per_op.case_functions(case, cpu)
+    assert [name for name, (_, info) in functions.items() if info.auto] == [f"te_lab[{automatic}]"]
+    # Ops whose choice does not depend on the inputs keep the registry's answer.
+    rms_case = cases.op_cases("rms_norm", cpu, torch.float32, cases.Size(64, 64))[0]
+    assert per_op.automatic_backend(rms_case, cpu) is None

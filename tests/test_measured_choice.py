@@ -123,3 +123,17 @@ def test_native_or_inductor_on_the_cpu_is_the_measured_faster_one(fresh_cache, m
     assert describe_backend(registered_ops()[op_name], torch.device("cpu")) == (
         "native or inductor, whichever measured faster here for the sizes")
 
+
+
+def test_nothing_is_measured_under_a_mode_that_would_take_over_the_samples(fresh_cache):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    bias_act = importlib.import_module("te_lab.kernels.bias_act")
+    with FakeTensorMode():
+        fake = bias_act.bias_act(torch.randn(64, 256), torch.zeros(256), "gelu")
+    assert fake.shape == (64, 256)
+    graph = make_fx(lambda x: bias_act.bias_act(x, None, "silu"), tracing_mode="symbolic")(torch.randn(32, 128))
+    x = torch.randn(32, 128)
+    torch.testing.assert_close(graph(x), torch.nn.functional.silu(x))
+    assert measured_choice.decisions() == {}
