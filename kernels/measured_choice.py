@@ -129,7 +129,8 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     known = _known.get((decision, shape_class))
     if known is not None:
         return known
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
         # No file I/O or timing inside a traced graph, nor under a mode (fake tensors,
         # make_fx's tracing, a FLOP counter), which would take over the samples' tensors.
         return default
