@@ -207,8 +207,8 @@ def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...],
     (e.g. the activation): measured once, interleaved, then cached per machine
     (:mod:`te_lab.kernels.measured_choice`); ``default`` (the first candidate unless given)
     where measuring is off."""
-    shape_class = (str(dtype).removeprefix("torch."),) + tuple(size_class(size) for size in sizes) + tuple(extras)
     classes = tuple(size_class(size) for size in sizes)
+    shape_class = (str(dtype).removeprefix("torch."), *classes, *extras)
 
     def candidates():
         samples = op.cpu_samples(dtype, *classes, *extras)
