@@ -2,7 +2,9 @@
 #
 #   make test            both passes below (what .ci/run runs)
 #   make lint            ruff: lint and import order (pyproject.toml's [tool.ruff]), seconds
-#   make test-main       .venv: te_lab[dev] with the newest Triton, make lint, then the whole suite
+#   make cpu-kernels     compile te_lab's C++ CPU kernels for this machine (once: cached)
+#   make test-main       .venv: te_lab[dev] with the newest Triton, make lint and cpu-kernels,
+#                        then the whole suite
 #   make test-triton32   .venv-triton32: the Triton kernels through Triton 3.2's
 #                        interpreter, the release Moore Threads ships for MUSA
 #   make clean-venvs     remove both environments
@@ -71,7 +73,7 @@ fi; \
 exit "$$status"
 endef
 
-.PHONY: test lint test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
+.PHONY: test lint cpu-kernels test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
 
 test: test-main test-triton32
 
@@ -80,21 +82,32 @@ lint: $(VENV)/$(STAMP)
 	@echo "== ruff check (lint and import order)"
 	@$(VENV)/bin/ruff check .
 
-test-main: $(VENV)/$(STAMP) lint
+# te_lab's C++ CPU kernels (kernels/cpp/), compiled once per machine into te_lab's cache
+# (kernels/cpu_kernels.py). The tests insist on them; the demo, JupyterLab and the
+# benchmarks run without them (the ops then choose another backend, and say why).
+CPU_KERNELS := $(VENV)/bin/python -c 'import sys; from te_lab.kernels import cpu_kernels; sys.exit(cpu_kernels.main())'
+
+cpu-kernels: $(VENV)/$(STAMP)
+	@$(CPU_KERNELS)
+
+test-main: $(VENV)/$(STAMP) lint cpu-kernels
 	@echo "== te_lab tests in $(VENV) ($$($(VENV)/bin/python $(INSTALLED_VERSIONS)))"
 	@$(call run_pytest,$(VENV),)
 
 .PHONY: demo lab
 
 demo: $(VENV)/$(STAMP)
+	@$(CPU_KERNELS) || true
 	@$(VENV)/bin/te-lab demo
 
 lab: $(VENV)/$(STAMP)
+	@$(CPU_KERNELS) || true
 	@$(VENV)/bin/te-lab lab
 
 BENCH := $(VENV)/bin/python -m te_lab.benchmarks.suite
 
 bench: $(VENV)/$(STAMP)
+	@$(CPU_KERNELS) || true
 	@$(BENCH) --device cpu --profile cpu --markdown benchmarks/RESULTS.md \
 	  --json benchmarks/results-cpu.json --html benchmarks/results-cpu.html > /dev/null
 

@@ -16,6 +16,9 @@ call on plain tensors goes straight to the implementation:
 - without, the implementation itself; while a profiler runs, the op through the
   dispatcher instead, so that the profile records it.
 
+An op whose ``backend`` argument is ``"cpp"`` goes, on that same eager path, to its C++
+overload ``te_lab::<name>.cpp``, which carries its autograd formula in C++.
+
 Everything else goes through the dispatcher, to an autograd kernel that applies an
 equivalent Function: torch.compile's tracing (the op stays one node), autocast regions
 (autocast casts before autograd records), ``TorchDispatchMode``s (selective
@@ -75,6 +78,7 @@ class CustomOp:
         self.op: torch._ops.OpOverload = getattr(torch.ops.te_lab, self.name).default
         self._impl = fn
         self._direct_function: Optional[type] = None
+        self._cpp: Optional[torch._ops.OpOverload] = None
         self.__wrapped__ = fn
 
     def register_fake(self, fn: Callable) -> Callable:
@@ -109,8 +113,18 @@ class CustomOp:
 
         _LIBRARY.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
+    def cpp_overload(self) -> torch._ops.OpOverload:
+        """``te_lab::<name>.cpp``: the op's C++ kernels, autograd included
+        (:mod:`te_lab.kernels.cpu_kernels`), taking the op's arguments but ``backend``."""
+        if self._cpp is None:
+            self._cpp = getattr(torch.ops.te_lab, self.name).cpp
+        return self._cpp
+
     def __call__(self, *args):
         if _runs_directly(args):
+            if args[-1] == "cpp":
+                # One crossing into C++: the forward, and the backward inside autograd's engine.
+                return self.cpp_overload()(*args[:-1])
             if self._direct_function is not None and _needs_grad(args):
                 return self._direct_function.apply(*args)
             if not _profiling():

@@ -25,6 +25,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from te_lab.cache import cache_directory
+
 CHOICES_ENV = "TE_LAB_CHOICES"
 CACHE_ENV = "TE_LAB_CHOICES_CACHE"
 WARMUP = 3
@@ -59,7 +61,7 @@ def size_class(size: int) -> int:
 
 
 def _cache_file() -> Path:
-    root = Path(os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "te_lab")
+    root = Path(os.environ.get(CACHE_ENV) or cache_directory())
     digest = hashlib.sha1(machine_fingerprint().encode()).hexdigest()[:12]
     return root / f"choices-{digest}.json"
 

@@ -10,7 +10,10 @@ that implement it. :func:`select_backend` picks one per call, in this order:
    an Inductor backend, or ``"rms_norm=native,glu=inductor"`` per op),
 4. automatic: ``triton`` where Triton runs on the device, else the op's preferred
    CPU backend (``native`` when an existing fused ATen kernel does the job well,
-   ``inductor`` otherwise), and ``reference`` as the last resort.
+   ``cpp`` where te_lab has C++ kernels for it (:mod:`te_lab.kernels.cpu_kernels`),
+   ``inductor`` otherwise), and ``reference`` as the last resort. Ops that name
+   ``cpu_measured`` backends take, per class of the call's sizes, whichever of them
+   measured fastest on this machine.
 
 A forced backend that the op lacks or the device cannot run raises a ``ValueError``
 naming the op, the backend and the device. Selection is plain Python that
@@ -28,9 +31,10 @@ import torch
 
 from te_lab import device as devices
 
+from . import cpu_kernels
 from .measured_choice import choose, size_class
 
-BACKENDS = ("triton", "native", "inductor", "reference")
+BACKENDS = ("triton", "native", "inductor", "cpp", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
 
 
@@ -176,6 +180,8 @@ def unavailable_reason(op: FusedOp, backend: str, device: torch.device) -> Optio
         return devices.triton_unavailable_reason(device.type)
     if backend == "inductor" and devices.is_gpu(device) and devices.triton_unavailable_reason(device.type):
         return "Inductor generates Triton code on GPUs, and " + devices.triton_unavailable_reason(device.type)
+    if backend == "cpp":
+        return "te_lab's C++ kernels run on the CPU only" if device.type != "cpu" else cpu_kernels.unavailable_reason()
     return None
 
 
@@ -207,15 +213,21 @@ def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...],
     (e.g. the activation): measured once, interleaved, then cached per machine
     (:mod:`te_lab.kernels.measured_choice`); ``default`` (the first candidate unless given)
     where measuring is off."""
+    cpu = torch.device("cpu")
+    runnable = [name for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None]
+    default = default or runnable[0]
+    if len(runnable) < 2:
+        return default
     classes = tuple(size_class(size) for size in sizes)
     shape_class = (str(dtype).removeprefix("torch."), *classes, *extras)
 
     def candidates():
         samples = op.cpu_samples(dtype, *classes, *extras)
-        cpu = torch.device("cpu")
-        return {name: samples[name] for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None}
+        return {name: samples[name] for name in runnable}
 
-    return choose(f"{op.name}: CPU backend", shape_class, candidates, default or op.cpu_measured[0])
+    choice = choose(f"{op.name}: CPU backend", shape_class, candidates, default)
+    # A decision cached by a process that could run a backend this one cannot (no C++ build).
+    return choice if choice in runnable else default
 
 
 def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,

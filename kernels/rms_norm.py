@@ -28,7 +28,7 @@ from .costs.rms_norm import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, aten_kernel_exists, register_op, select_backend
+from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
 from .triton_support import (
     HAS_TRITON,
     column_block,
@@ -255,7 +255,40 @@ class _Triton:
         return dx, dw
 
 
-_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
+class _Cpp:
+    """te_lab's C++ kernels (kernels/cpp/rms_norm.cpp). An eager call reaches them through
+    the op's C++ overload, autograd and all (custom_ops); these run them for the
+    dispatched path (torch.compile, autocast, modes)."""
+
+    @staticmethod
+    def forward(x, residual, weight, eps, offset):
+        y, h, rstd = torch.ops.te_lab.rms_norm.cpp(x, residual, weight, eps, offset)
+        return y, (None if residual is None else h), rstd
+
+    @staticmethod
+    def backward(dy, dh, h, weight, rstd, offset, need_dw):
+        dx, dw = torch.ops.te_lab.rms_norm_backward.cpp(dy, dh, h, weight, rstd, offset, need_dw)
+        return dx, (dw if need_dw else None)
+
+
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int):
+    """Forward and backward of a weighted RMSNorm over ``rows`` x ``n`` on each CPU
+    backend, on constant inputs (the caller's RNG is left alone)."""
+    x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n)
+    dy = torch.full((rows, n), 0.01, dtype=dtype)
+    weight = torch.ones(n, dtype=dtype)
+
+    def sample(implementation):
+        @torch.no_grad()
+        def run():
+            _, _, rstd = implementation.forward(x, None, weight, 1e-6, 0.0)
+            implementation.backward(dy, None, x, weight, rstd, 0.0, True)
+        return run
+
+    return {"cpp": sample(_Cpp), "inductor": sample(_Inductor)}
+
+
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
@@ -263,7 +296,9 @@ RMS_NORM = register_op(FusedOp(
     name=NAME,
     reference=rms_norm_reference,
     implementations=_IMPLEMENTATIONS,
-    cpu_preference="inductor",
+    cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor"),
+    cpu_samples=_cpu_samples,
     native_supports=_native_supports,
     costs=COSTS,
 ))
@@ -338,7 +373,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
     Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``weight`` has
     the length of the last dimension (its dtype may differ from ``x``'s);
     ``weight_offset=1.0`` scales by ``1 + weight`` (Gemma). ``backend`` forces
-    ``"triton"``, ``"native"``, ``"inductor"`` or ``"reference"`` (see
+    ``"triton"``, ``"native"``, ``"inductor"``, ``"cpp"`` or ``"reference"`` (see
     :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "x", x)
@@ -350,7 +385,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
     eps = check_positive(NAME, "eps", eps)
     if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
         raise TypeError(f"{NAME}: weight_offset must be a number, got {weight_offset!r}")
-    chosen = select_backend(RMS_NORM, x.device, backend)
+    chosen = select_measured_backend(RMS_NORM, x.device, backend, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "reference":
         return rms_norm_reference(x, weight, eps, residual=residual, weight_offset=weight_offset)
     y, h, _ = _rms_norm_op(x, residual, weight, eps, float(weight_offset), chosen)

@@ -153,7 +153,9 @@ def test_wheel_installs_kernels_and_extensions_inside_te_lab_only(tmp_path):
     assert not outside
     assert top_level == ["te_lab"]
     for expected in ("te_lab/__init__.py", "te_lab/device.py", "te_lab/kernels/__init__.py",
-                     "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py", "te_lab/benchmarks/suite.py"):
+                     "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py", "te_lab/benchmarks/suite.py",
+                     # the C++ CPU kernels' sources, compiled where the wheel is installed
+                     "te_lab/kernels/cpp/rms_norm.cpp"):
         assert expected in names
     # every module of the te_lab/ source tree ships (a subpackage missing from
     # pyproject's package list would silently drop out of the wheel)

@@ -265,7 +265,7 @@ def test_unknown_backend_in_the_environment(spec, monkeypatch):
 
 
 def test_known_backend_names():
-    assert BACKENDS == ("triton", "native", "inductor", "reference")
+    assert BACKENDS == ("triton", "native", "inductor", "cpp", "reference")
 
 
 # ---- registration ------------------------------------------------------------------
