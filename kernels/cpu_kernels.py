@@ -37,15 +37,22 @@ _BUILT = "built"  # written once the library is complete: another process may be
 _reasons: dict[str, Optional[str]] = {}
 
 
+# torch's CPU capability -> what at::vec::Vectorized needs to be built for it (as Inductor's
+# generated C++ is); other capabilities get Vectorized's portable code.
+_VECTOR_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
+
+
 def compiler_flags() -> list[str]:
     """-O3; OpenMP on Linux (``at::parallel_for`` threads, torch's own libgomp at run time);
-    the machine's own vector ISA on x86-64 (the build is per machine)."""
+    the vector ISA torch itself runs at on this machine (the build is per machine)."""
     flags = ["-O3"]
     if sys.platform.startswith("linux"):
         flags.append("-fopenmp")
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-march=native")
-    return flags
+    return flags + _VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
 
 
 def build_directory() -> Path:

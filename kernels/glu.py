@@ -29,7 +29,7 @@ from .costs.glu import COSTS
 from .custom_ops import custom_op
 from .layout import shaped_like
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_backend
+from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 if HAS_TRITON:
@@ -181,7 +181,39 @@ class _Triton:
 
 
 # No `native`: ATen has no fused gated-activation kernel.
-_IMPLEMENTATIONS = {"inductor": _Inductor}
+class _Cpp:
+    """te_lab's C++ kernels (kernels/cpp/glu.cpp). An eager call reaches them through the
+    op's C++ overload, autograd and all (custom_ops); these run them for the dispatched
+    path (torch.compile, autocast, modes)."""
+
+    @staticmethod
+    def forward(gate, up, activation):
+        return torch.ops.te_lab.glu.cpp(gate, up, activation)
+
+    @staticmethod
+    def backward(dy, gate, up, activation):
+        dgate, dup = torch.ops.te_lab.glu_backward.cpp(dy, gate, up, activation)
+        return dgate, (None if up is None else dup)
+
+
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str):
+    """One training call (forward and backward, through the public op) over a ``rows`` x
+    2``n`` gate-up input per CPU backend, on constant inputs (the caller's RNG is left
+    alone): the C++ backend's gain is mostly what it saves around its kernels."""
+    with torch.inference_mode(False), torch.enable_grad():
+        gate_up = torch.linspace(-3, 3, rows * 2 * n, dtype=dtype).view(rows, 2 * n).requires_grad_()
+        dy = torch.full((rows, n), 0.01, dtype=dtype)
+
+    def sample(backend):
+        def run():
+            with torch.inference_mode(False), torch.enable_grad():
+                torch.autograd.grad(glu(gate_up, None, activation, backend=backend), (gate_up,), dy)
+        return run
+
+    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+
+
+_IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
@@ -189,7 +221,9 @@ GLU = register_op(FusedOp(
     name=NAME,
     reference=glu_reference,
     implementations=_IMPLEMENTATIONS,
-    cpu_preference="inductor",
+    cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor"),
+    cpu_samples=_cpu_samples,
     costs=COSTS,
 ))
 
@@ -261,7 +295,7 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu", *,
     ``up=None`` takes ``gate`` as one concatenated gate-up tensor ``[..., 2N]`` (first
     half gate, second half up, as ``gate, up = t.chunk(2, -1)``). ``activation`` is one
     of ``"silu"``, ``"gelu"``, ``"gelu_tanh"``. ``backend`` forces ``"triton"``,
-    ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    ``"inductor"``, ``"cpp"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "gate", gate)
     if up is None:
@@ -273,7 +307,9 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu", *,
     else:
         check_like(NAME, "up", up, gate, "gate")
     check_choice(NAME, "activation", activation, ACTIVATIONS)
-    chosen = select_backend(GLU, gate.device, backend)
+    n = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    chosen = select_measured_backend(GLU, gate.device, backend, gate.dtype, (gate.numel() // max(gate.shape[-1], 1), n),
+                                     (activation,))
     if chosen == "reference":
         return glu_reference(gate, up, activation)
     return _glu_op(gate, up, activation, chosen)

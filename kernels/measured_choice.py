@@ -121,16 +121,26 @@ def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def known(decision: str, shape_class: tuple) -> Optional[str]:
+    """The choice already made in this process for ``decision`` at ``shape_class``, if any."""
+    return _known.get((decision, shape_class))
+
+
 def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[str, Callable[[], object]]],
-           default: str) -> str:
+           default: str, allowed: Optional[tuple[str, ...]] = None) -> str:
     """The fastest of the candidates (``candidates()`` gives name -> a callable running one
     sample; it is called only to measure) for ``decision`` at ``shape_class``: measured
     the first time, then remembered. Returns
     ``default`` without measuring where measuring is off, and, unless already decided,
-    under torch.compile's tracing or a dispatch or function mode."""
-    known = _known.get((decision, shape_class))
-    if known is not None:
-        return known
+    under torch.compile's tracing or a dispatch or function mode. ``allowed`` names the
+    candidates this process can run: a decision cached for another (a process that had
+    a backend this one lacks) is measured anew, and a single one is chosen unmeasured."""
+    choice = _known.get((decision, shape_class))
+    if choice is not None:
+        return choice
+    if allowed is not None and len(allowed) == 1:
+        _known[(decision, shape_class)] = allowed[0]
+        return allowed[0]
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled()):
         # No file I/O or timing inside a traced graph, nor under a mode (fake tensors,
@@ -139,7 +149,7 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     key = f"{decision} {shape_class}"
     if not _decisions:
         _decisions.update(_load())
-    if key in _decisions:
+    if key in _decisions and (allowed is None or _decisions[key]["choice"] in allowed):
         _known[(decision, shape_class)] = _decisions[key]["choice"]
         return _decisions[key]["choice"]
     if not measuring_enabled():

@@ -32,7 +32,7 @@ import torch
 from te_lab import device as devices
 
 from . import cpu_kernels
-from .measured_choice import choose, size_class
+from .measured_choice import choose, known, size_class
 
 BACKENDS = ("triton", "native", "inductor", "cpp", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
@@ -190,18 +190,11 @@ def available_backends(op: FusedOp, device: torch.device) -> list[str]:
     return [name for name in op.backends() if unavailable_reason(op, name, device) is None]
 
 
-def _measured_here(op: FusedOp, device: torch.device, requested: Optional[str]) -> bool:
-    """Whether ``op``'s backend for a call on ``device`` is chosen by measurement: an
-    automatic choice on the CPU for an op that measures its CPU backends."""
-    return (bool(op.cpu_measured) and not devices.is_gpu(device) and requested in (None, "auto")
-            and forced_backend(op)[0] in (None, "auto"))
-
-
 def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
     """:func:`select_backend`'s answer as a report should state it: an automatic choice
     that is measured per call's sizes says so."""
-    chosen = select_backend(op, device, requested)
-    if _measured_here(op, device, requested) and chosen in op.cpu_measured:
+    chosen, automatic = _select(op, device, requested)
+    if automatic and not devices.is_gpu(device) and chosen in op.cpu_measured:
         return f"{' or '.join(op.cpu_measured)}, whichever measured faster here for the sizes"
     return chosen
 
@@ -210,24 +203,23 @@ def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...],
                         default: Optional[str] = None) -> str:
     """The fastest of ``op.cpu_measured`` on this machine for a call of ``dtype`` whose sizes
     fall in the class of ``sizes`` (each rounded up to a power of two) and with ``extras``
-    (e.g. the activation): measured once, interleaved, then cached per machine
-    (:mod:`te_lab.kernels.measured_choice`); ``default`` (the first candidate unless given)
-    where measuring is off."""
-    cpu = torch.device("cpu")
-    runnable = [name for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None]
-    default = default or runnable[0]
-    if len(runnable) < 2:
-        return default
+    (e.g. the activation): measured once, interleaved, among the candidates this process
+    can run, then cached per machine (:mod:`te_lab.kernels.measured_choice`); ``default``
+    (the first runnable candidate unless given) where measuring is off."""
+    decision = f"{op.name}: CPU backend"
     classes = tuple(size_class(size) for size in sizes)
     shape_class = (str(dtype).removeprefix("torch."), *classes, *extras)
+    choice = known(decision, shape_class)  # the per-call path: one dict lookup
+    if choice is not None:
+        return choice
+    cpu = torch.device("cpu")
+    runnable = tuple(name for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None)
 
     def candidates():
         samples = op.cpu_samples(dtype, *classes, *extras)
         return {name: samples[name] for name in runnable}
 
-    choice = choose(f"{op.name}: CPU backend", shape_class, candidates, default)
-    # A decision cached by a process that could run a backend this one cannot (no C++ build).
-    return choice if choice in runnable else default
+    return choose(decision, shape_class, candidates, default if default in runnable else runnable[0], runnable)
 
 
 def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
@@ -235,14 +227,19 @@ def select_measured_backend(op: FusedOp, device: torch.device, requested: Option
     """:func:`select_backend`, except that where the choice is automatic on the CPU and the
     op measures its CPU backends, the one that measured fastest for these sizes
     (:func:`measured_cpu_choice`)."""
-    chosen = select_backend(op, device, requested)
-    if not _measured_here(op, device, requested) or chosen not in op.cpu_measured:
+    chosen, automatic = _select(op, device, requested)
+    if not automatic or chosen not in op.cpu_measured or devices.is_gpu(device):
         return chosen
     return measured_cpu_choice(op, dtype, sizes, extras, default=chosen)
 
 
 def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
     """The backend that runs ``op`` on ``device`` for this call (see the module doc)."""
+    return _select(op, device, requested)[0]
+
+
+def _select(op: FusedOp, device: torch.device, requested: Optional[str]) -> tuple[str, bool]:
+    """:func:`select_backend`'s answer, and whether it was chosen automatically."""
     source = "backend="
     if requested is not None:
         _check_backend_name(requested, f"{op.name}(backend)")
@@ -254,15 +251,15 @@ def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] =
             raise ValueError(
                 f"{op.name}: backend {requested!r} (from {source}) cannot run on device {device}: {reason}"
             )
-        return requested
+        return requested, False
     if torch.compiler.is_compiling():  # a dict read there would be guarded on: decide afresh
-        return _automatic_backend(op, device)
+        return _automatic_backend(op, device), True
     # The automatic choice depends only on the device type and whether Triton runs there.
     key = (device.type, devices.triton_unavailable_reason(device.type))
     chosen = op.automatic_backends.get(key)
     if chosen is None:
         chosen = op.automatic_backends[key] = _automatic_backend(op, device)
-    return chosen
+    return chosen, True
 
 
 def _automatic_backend(op: FusedOp, device: torch.device) -> str:

@@ -11,15 +11,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <vector>
+
+#include "rows.h"
 
 namespace te_lab_cpu {
 namespace {
@@ -28,47 +28,55 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Rows per parallel task: about 16K elements, so that small inputs stay on one thread.
-int64_t rows_per_task(int64_t n_cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n_cols, 1)); }
+at::ScalarType compute_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
-// The weight as the math uses it: in the compute dtype, contiguous (a no-op when it is already).
-std::optional<Tensor> compute_weight(const std::optional<Tensor>& weight, at::ScalarType compute) {
-  if (!weight.has_value() || !weight->defined()) return std::nullopt;
-  return weight->to(compute).contiguous();
-}
-
-at::ScalarType compute_dtype(at::ScalarType dtype) {
-  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+// weight + offset in the compute type, or ones without a weight: the scale the math applies.
+template <typename Acc>
+std::vector<Acc> row_scale(const std::optional<Tensor>& weight, int64_t n, double offset) {
+  std::vector<Acc> scale(n, Acc(1));
+  if (weight.has_value() && weight->defined()) {
+    const Tensor w = weight->to(c10::CppTypeToScalarType<Acc>::value).contiguous();
+    const Acc* data = w.const_data_ptr<Acc>();
+    for (int64_t j = 0; j < n; ++j) scale[j] = data[j] + static_cast<Acc>(offset);
+  }
+  return scale;
 }
 
 template <typename T, typename Acc>
-void forward_rows(const T* x, const T* residual, const Acc* weight, T* y, T* h, Acc* rstd, int64_t rows,
-                  int64_t n, Acc eps, Acc offset) {
+void forward_rows(const T* x, const T* residual, const Acc* scale, T* y, T* h, Acc* rstd, int64_t rows, int64_t n,
+                  Acc eps) {
+  using V = Vec<Acc>;
   at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+    Acc a[BLOCK], b[BLOCK];
     for (int64_t row = begin; row < end; ++row) {
-      const T* src = x + row * n;
-      if (residual != nullptr) {
-        const T* r = residual + row * n;
-        T* hr = h + row * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) hr[j] = static_cast<T>(static_cast<Acc>(src[j]) + static_cast<Acc>(r[j]));
-        src = hr;
+      const T* xr = x + row * n;
+      const T* rr = residual == nullptr ? nullptr : residual + row * n;
+      T* hr = h == nullptr ? nullptr : h + row * n;
+      V squares(Acc(0));
+      for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t count = std::min(BLOCK, n - start);
+        load_block(xr + start, a, count);
+        if (rr != nullptr) {  // h = x + residual, rounded to T as the next residual stream is
+          load_block(rr + start, b, count);
+          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) { (V::loadu(a + j, c) + V::loadu(b + j, c)).store(a + j, c); });
+          store_block(a, hr + start, count);
+          load_block(hr + start, a, count);
+        }
+        for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+          const V v = V::loadu(a + j, c);
+          squares = squares + v * v;
+        });
       }
-      Acc squares = 0;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t j = 0; j < n; ++j) {
-        const Acc v = static_cast<Acc>(src[j]);
-        squares += v * v;
-      }
-      const Acc s = Acc(1) / std::sqrt(squares / static_cast<Acc>(n) + eps);
+      const Acc s = Acc(1) / std::sqrt(sum_of(squares) / static_cast<Acc>(n) + eps);
       rstd[row] = s;
-      T* out = y + row * n;
-      if (weight != nullptr) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) out[j] = static_cast<T>(static_cast<Acc>(src[j]) * s * (weight[j] + offset));
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) out[j] = static_cast<T>(static_cast<Acc>(src[j]) * s);
+      const T* src = rr == nullptr ? xr : hr;
+      for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t count = std::min(BLOCK, n - start);
+        load_block(src + start, a, count);
+        for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+          (V::loadu(a + j, c) * V(s) * V::loadu(scale + start + j, c)).store(a + j, c);
+        });
+        store_block(a, y + row * n + start, count);
       }
     }
   });
@@ -76,35 +84,35 @@ void forward_rows(const T* x, const T* residual, const Acc* weight, T* y, T* h, 
 
 // (y, h, rstd); h is empty without a residual.
 std::tuple<Tensor, Tensor, Tensor> rms_norm_forward(const Tensor& x_in, const std::optional<Tensor>& residual_in,
-                                                    const std::optional<Tensor>& weight_in, double eps,
+                                                    const std::optional<Tensor>& weight, double eps,
                                                     double weight_offset) {
   const Tensor x = x_in.contiguous();
   const bool has_residual = residual_in.has_value() && residual_in->defined();
   const Tensor residual = has_residual ? residual_in->contiguous() : Tensor();
   const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
-  const auto compute = compute_dtype(x.scalar_type());
-  const std::optional<Tensor> weight = compute_weight(weight_in, compute);
   Tensor y = at::empty_like(x);
   Tensor h = has_residual ? at::empty_like(x) : at::empty({0}, x.options());
-  Tensor rstd = at::empty({rows}, x.options().dtype(compute));
+  Tensor rstd = at::empty({rows}, x.options().dtype(compute_dtype(x.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "te_lab::rms_norm.cpp", [&] {
     using Acc = at::opmath_type<scalar_t>;
+    const std::vector<Acc> scale = row_scale<Acc>(weight, n, weight_offset);
     forward_rows<scalar_t, Acc>(x.const_data_ptr<scalar_t>(),
-                                has_residual ? residual.const_data_ptr<scalar_t>() : nullptr,
-                                weight.has_value() ? weight->const_data_ptr<Acc>() : nullptr,
+                                has_residual ? residual.const_data_ptr<scalar_t>() : nullptr, scale.data(),
                                 y.mutable_data_ptr<scalar_t>(), has_residual ? h.mutable_data_ptr<scalar_t>() : nullptr,
-                                rstd.mutable_data_ptr<Acc>(), rows, n, static_cast<Acc>(eps),
-                                static_cast<Acc>(weight_offset));
+                                rstd.mutable_data_ptr<Acc>(), rows, n, static_cast<Acc>(eps));
   });
   return {y, h, rstd};
 }
 
+// Rows split into ``tasks`` ranges; task t adds its rows' dy * x_hat into dw_partial's row t.
 template <typename T, typename Acc>
-void backward_rows(const T* dy, const T* dh, const T* h, const Acc* weight, const Acc* rstd, T* dx, Acc* dw_partial,
-                   int64_t rows, int64_t n, Acc offset, int64_t tasks) {
+void backward_rows(const T* dy, const T* dh, const T* h, const Acc* scale, const Acc* rstd, T* dx, Acc* dw_partial,
+                   int64_t rows, int64_t n, int64_t tasks) {
+  using V = Vec<Acc>;
   const int64_t per_task = (rows + tasks - 1) / tasks;
   at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t last_task) {
+    Acc a[BLOCK], b[BLOCK], c_buf[BLOCK];
     for (int64_t task = first_task; task < last_task; ++task) {
       Acc* dw = dw_partial == nullptr ? nullptr : dw_partial + task * n;
       const int64_t end = std::min(rows, (task + 1) * per_task);
@@ -112,35 +120,39 @@ void backward_rows(const T* dy, const T* dh, const T* h, const Acc* weight, cons
         const T* dyr = dy + row * n;
         const T* hr = h + row * n;
         const Acc s = rstd[row];
-        Acc products = 0;
-#pragma omp simd reduction(+ : products)
-        for (int64_t j = 0; j < n; ++j) {
-          const Acc g = weight == nullptr ? static_cast<Acc>(dyr[j]) : static_cast<Acc>(dyr[j]) * (weight[j] + offset);
-          products += g * static_cast<Acc>(hr[j]) * s;
+        V products(Acc(0));  // sum of g * h, g = dy * scale
+        for (int64_t start = 0; start < n; start += BLOCK) {
+          const int64_t count = std::min(BLOCK, n - start);
+          load_block(dyr + start, a, count);
+          load_block(hr + start, b, count);
+          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+            products = products + V::loadu(a + j, c) * V::loadu(scale + start + j, c) * V::loadu(b + j, c);
+          });
         }
-        const Acc mean = products / static_cast<Acc>(n);
-        T* dxr = dx + row * n;
-        const T* dhr = dh == nullptr ? nullptr : dh + row * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) {
-          const Acc x_hat = static_cast<Acc>(hr[j]) * s;
-          const Acc g = weight == nullptr ? static_cast<Acc>(dyr[j]) : static_cast<Acc>(dyr[j]) * (weight[j] + offset);
-          Acc grad = s * (g - x_hat * mean);
-          if (dhr != nullptr) grad += static_cast<Acc>(dhr[j]);
-          dxr[j] = static_cast<T>(grad);
-        }
-        if (dw != nullptr) {
-#pragma omp simd
-          for (int64_t j = 0; j < n; ++j) dw[j] += static_cast<Acc>(dyr[j]) * static_cast<Acc>(hr[j]) * s;
+        const V mean(sum_of(products) * s / static_cast<Acc>(n));  // mean of g * x_hat
+        for (int64_t start = 0; start < n; start += BLOCK) {
+          const int64_t count = std::min(BLOCK, n - start);
+          load_block(dyr + start, a, count);
+          load_block(hr + start, b, count);
+          if (dh != nullptr) load_block(dh + row * n + start, c_buf, count);
+          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+            const V dyv = V::loadu(a + j, c);
+            const V x_hat = V::loadu(b + j, c) * V(s);
+            V grad = (dyv * V::loadu(scale + start + j, c) - x_hat * mean) * V(s);
+            if (dh != nullptr) grad = grad + V::loadu(c_buf + j, c);
+            if (dw != nullptr) (V::loadu(dw + start + j, c) + dyv * x_hat).store(dw + start + j, c);
+            grad.store(a + j, c);
+          });
+          store_block(a, dx + row * n + start, count);
         }
       }
     }
   });
 }
 
-// (dx, dweight); dweight is empty unless need_dw. weight keeps its own dtype in dweight.
+// (dx, dweight); dweight, in the weight's dtype, is empty unless need_dw.
 std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy_in, const std::optional<Tensor>& dh_in,
-                                             const Tensor& h_in, const std::optional<Tensor>& weight_in,
+                                             const Tensor& h_in, const std::optional<Tensor>& weight,
                                              const Tensor& rstd_in, double weight_offset, bool need_dw) {
   const Tensor h = h_in.contiguous();
   const Tensor dy = dy_in.contiguous();
@@ -149,25 +161,21 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy_in, const std::opt
   const Tensor rstd = rstd_in.contiguous();
   const int64_t n = h.dim() == 0 ? 1 : h.size(-1);
   const int64_t rows = n == 0 ? 0 : h.numel() / n;
-  const auto compute = compute_dtype(h.scalar_type());
-  const std::optional<Tensor> weight = compute_weight(weight_in, compute);
-  need_dw = need_dw && weight.has_value();
-  const int64_t tasks = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), rows / rows_per_task(n)));
+  need_dw = need_dw && weight.has_value() && weight->defined();
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / rows_per_task(n)));
   Tensor dx = at::empty_like(h);
-  Tensor partial = need_dw ? at::zeros({tasks, n}, h.options().dtype(compute)) : Tensor();
+  Tensor partial = need_dw ? at::zeros({tasks, n}, h.options().dtype(compute_dtype(h.scalar_type()))) : Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "te_lab::rms_norm_backward.cpp", [&] {
     using Acc = at::opmath_type<scalar_t>;
+    const std::vector<Acc> scale = row_scale<Acc>(weight, n, weight_offset);
     backward_rows<scalar_t, Acc>(dy.const_data_ptr<scalar_t>(), has_dh ? dh.const_data_ptr<scalar_t>() : nullptr,
-                                 h.const_data_ptr<scalar_t>(),
-                                 weight.has_value() ? weight->const_data_ptr<Acc>() : nullptr,
-                                 rstd.const_data_ptr<Acc>(), dx.mutable_data_ptr<scalar_t>(),
-                                 need_dw ? partial.mutable_data_ptr<Acc>() : nullptr, rows, n,
-                                 static_cast<Acc>(weight_offset), tasks);
+                                 h.const_data_ptr<scalar_t>(), scale.data(), rstd.const_data_ptr<Acc>(),
+                                 dx.mutable_data_ptr<scalar_t>(), need_dw ? partial.mutable_data_ptr<Acc>() : nullptr,
+                                 rows, n, tasks);
   });
   if (!need_dw) return {dx, at::empty({0}, h.options())};
-  Tensor dw = tasks == 1 ? partial.select(0, 0) : partial.sum(0);
-  return {dx, dw.to(weight_in->scalar_type())};
+  const Tensor dw = tasks == 1 ? partial.select(0, 0) : partial.sum(0);
+  return {dx, dw.to(weight->scalar_type())};
 }
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<Tensor>& dh, const Tensor& h,

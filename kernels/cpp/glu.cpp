@@ -1,0 +1,238 @@
+// te_lab::glu.cpp and te_lab::glu_backward.cpp: the gated activation act(gate) * up on the
+// CPU, one pass per direction, with its autograd formula in C++ (kernels/glu.py states
+// the math; kernels/activations.py the activations and their clamped derivatives).
+//
+// gate and up come as two [..., N] tensors, or as one [..., 2N] gate-up tensor (up
+// undefined): each row's first half is the gate, its second half up, and the gradient is
+// then one [..., 2N] tensor.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "rows.h"
+
+namespace te_lab_cpu {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+enum class Activation { gelu, gelu_tanh, silu };
+
+Activation activation_named(const std::string& name) {
+  if (name == "silu") return Activation::silu;
+  if (name == "gelu") return Activation::gelu;
+  if (name == "gelu_tanh") return Activation::gelu_tanh;
+  TORCH_CHECK(false, "te_lab::glu.cpp: activation must be 'gelu', 'gelu_tanh' or 'silu', got '", name, "'");
+}
+
+constexpr double kSqrtHalf = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kTanhScale = 0.79788456080286535588;  // sqrt(2 / pi)
+constexpr double kTanhCubic = 0.044715;
+constexpr double kPdfClamp = 10.0;        // activations.py's _PDF_CLAMP: no subnormal gradients
+constexpr double kSigmoidFloor = -80.0;   // activations.py's _SIGMOID_FLOOR
+
+template <typename Acc>
+Vec<Acc> sigmoid(const Vec<Acc>& x) {
+  return Vec<Acc>(Acc(1)) / (Vec<Acc>(Acc(1)) + x.neg().exp());
+}
+
+template <typename Acc>
+Vec<Acc> tanh_gelu_inner(const Vec<Acc>& x) {
+  return (Vec<Acc>(Acc(kTanhScale)) * (x + Vec<Acc>(Acc(kTanhCubic)) * x * x * x)).tanh();
+}
+
+template <typename Acc>
+Vec<Acc> activate(Activation activation, const Vec<Acc>& x) {
+  using V = Vec<Acc>;
+  switch (activation) {
+    case Activation::silu: return x * sigmoid(x);
+    case Activation::gelu: return V(Acc(0.5)) * x * (V(Acc(1)) + (x * V(Acc(kSqrtHalf))).erf());
+    case Activation::gelu_tanh: return V(Acc(0.5)) * x * (V(Acc(1)) + tanh_gelu_inner(x));
+  }
+  return x;
+}
+
+// (act(x), act'(x)) from one evaluation of the shared terms.
+template <typename Acc>
+std::pair<Vec<Acc>, Vec<Acc>> activate_with_grad(Activation activation, const Vec<Acc>& x) {
+  using V = Vec<Acc>;
+  const V one(Acc(1)), half(Acc(0.5));
+  switch (activation) {
+    case Activation::silu: {
+      const V sig = sigmoid(at::vec::maximum(x, V(Acc(kSigmoidFloor))));
+      return {x * sig, sig * (one + x * (one - sig))};
+    }
+    case Activation::gelu: {
+      const V cdf = half * (one + (x * V(Acc(kSqrtHalf))).erf());
+      const V bounded = at::vec::minimum(at::vec::maximum(x, V(Acc(-kPdfClamp))), V(Acc(kPdfClamp)));
+      return {x * cdf, cdf + bounded * (V(Acc(-0.5)) * bounded * bounded).exp() * V(Acc(kInvSqrt2Pi))};
+    }
+    case Activation::gelu_tanh: {
+      const V t = tanh_gelu_inner(x);
+      const V grad = half * (one + t) +
+                     half * x * (one - t * t) * V(Acc(kTanhScale)) * (one + V(Acc(3 * kTanhCubic)) * x * x);
+      return {half * x * (one + t), grad};
+    }
+  }
+  return {x, one};
+}
+
+// Row r's gate starts at gate + r * gate_stride, its up at up + r * up_stride (for a
+// gate-up tensor: the same row, N elements on).
+struct Halves {
+  int64_t rows, n, gate_stride, up_stride;
+};
+
+Halves halves_of(const Tensor& gate, const std::optional<Tensor>& up) {
+  const bool concatenated = !(up.has_value() && up->defined());
+  const int64_t width = gate.size(-1);
+  const int64_t n = concatenated ? width / 2 : width;
+  const int64_t rows = width == 0 ? 0 : gate.numel() / width;
+  return {rows, n, width, concatenated ? width : n};
+}
+
+template <typename T, typename Acc>
+void forward_rows(const T* gate, const T* up, T* y, const Halves& shape, Activation activation) {
+  using V = Vec<Acc>;
+  at::parallel_for(0, shape.rows, rows_per_task(shape.n), [&](int64_t begin, int64_t end) {
+    Acc a[BLOCK], b[BLOCK];
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t start = 0; start < shape.n; start += BLOCK) {
+        const int64_t count = std::min(BLOCK, shape.n - start);
+        load_block(gate + row * shape.gate_stride + start, a, count);
+        load_block(up + row * shape.up_stride + start, b, count);
+        for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+          (activate(activation, V::loadu(a + j, c)) * V::loadu(b + j, c)).store(a + j, c);
+        });
+        store_block(a, y + row * shape.n + start, count);
+      }
+    }
+  });
+}
+
+Tensor glu_forward(const Tensor& gate_in, const std::optional<Tensor>& up_in, c10::string_view activation_name) {
+  const Activation activation = activation_named(std::string(activation_name));
+  const Tensor gate = gate_in.contiguous();
+  const bool concatenated = !(up_in.has_value() && up_in->defined());
+  const Tensor up = concatenated ? gate : up_in->contiguous();
+  const Halves shape = halves_of(gate, up_in);
+  auto sizes = gate.sizes().vec();
+  sizes.back() = shape.n;
+  Tensor y = at::empty(sizes, gate.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "te_lab::glu.cpp", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const scalar_t* gate_data = gate.const_data_ptr<scalar_t>();
+    forward_rows<scalar_t, Acc>(gate_data, concatenated ? gate_data + shape.n : up.const_data_ptr<scalar_t>(),
+                                y.mutable_data_ptr<scalar_t>(), shape, activation);
+  });
+  return y;
+}
+
+// dgate = dy * up * act'(gate), dup = dy * act(gate), written where dgate_out / dup_out
+// say (for a gate-up input: the two halves of one [rows, 2N] gradient).
+template <typename T, typename Acc>
+void backward_rows(const T* dy, const T* gate, const T* up, T* dgate, T* dup, const Halves& shape,
+                   Activation activation) {
+  using V = Vec<Acc>;
+  at::parallel_for(0, shape.rows, rows_per_task(shape.n), [&](int64_t begin, int64_t end) {
+    Acc a[BLOCK], b[BLOCK], g[BLOCK];
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t start = 0; start < shape.n; start += BLOCK) {
+        const int64_t count = std::min(BLOCK, shape.n - start);
+        load_block(dy + row * shape.n + start, a, count);
+        load_block(gate + row * shape.gate_stride + start, g, count);
+        load_block(up + row * shape.up_stride + start, b, count);
+        for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+          const V dyv = V::loadu(a + j, c);
+          const auto [act, grad] = activate_with_grad(activation, V::loadu(g + j, c));
+          (dyv * V::loadu(b + j, c) * grad).store(g + j, c);
+          (dyv * act).store(b + j, c);
+        });
+        store_block(g, dgate + row * shape.gate_stride + start, count);
+        store_block(b, dup + row * shape.up_stride + start, count);
+      }
+    }
+  });
+}
+
+// (dgate, dup); for a gate-up input the first is the whole [..., 2N] gradient and the
+// second is empty.
+std::tuple<Tensor, Tensor> glu_backward(const Tensor& dy_in, const Tensor& gate_in, const std::optional<Tensor>& up_in,
+                                        c10::string_view activation_name) {
+  const Activation activation = activation_named(std::string(activation_name));
+  const Tensor dy = dy_in.contiguous();
+  const Tensor gate = gate_in.contiguous();
+  const bool concatenated = !(up_in.has_value() && up_in->defined());
+  const Tensor up = concatenated ? gate : up_in->contiguous();
+  const Halves shape = halves_of(gate, up_in);
+  Tensor dgate = at::empty_like(gate);
+  Tensor dup = concatenated ? at::empty({0}, gate.options()) : at::empty_like(up);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "te_lab::glu_backward.cpp", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const scalar_t* gate_data = gate.const_data_ptr<scalar_t>();
+    scalar_t* dgate_data = dgate.mutable_data_ptr<scalar_t>();
+    backward_rows<scalar_t, Acc>(dy.const_data_ptr<scalar_t>(), gate_data,
+                                 concatenated ? gate_data + shape.n : up.const_data_ptr<scalar_t>(), dgate_data,
+                                 concatenated ? dgate_data + shape.n : dup.mutable_data_ptr<scalar_t>(), shape,
+                                 activation);
+  });
+  return {dgate, dup};
+}
+
+std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const Tensor& gate, const std::optional<Tensor>& up,
+                                         c10::string_view activation) {
+  // Through the dispatcher, so that profiles record te_lab::glu_backward.
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("te_lab::glu_backward", "cpp")
+                       .typed<decltype(glu_backward)>();
+  return op.call(dy, gate, up, activation);
+}
+
+class GluFunction : public torch::autograd::Function<GluFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const std::optional<Tensor>& up,
+                        c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    Tensor y = glu_forward(gate, up, activation);
+    const bool has_up = up.has_value() && up->defined();
+    ctx->save_for_backward({gate, has_up ? *up : Tensor()});
+    ctx->saved_data["activation"] = std::string(activation);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const std::optional<Tensor> up = saved[1].defined() ? std::optional<Tensor>(saved[1]) : std::nullopt;
+    auto [dgate, dup] = call_backward(grads[0], saved[0], up, ctx->saved_data["activation"].toStringRef());
+    return {dgate, up.has_value() ? dup : Tensor(), Tensor()};
+  }
+};
+
+Tensor glu_autograd(const Tensor& gate, const std::optional<Tensor>& up, c10::string_view activation) {
+  return GluFunction::apply(gate, up, activation);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(te_lab, m) {
+  m.def("glu.cpp(Tensor gate, Tensor? up, str activation) -> Tensor");
+  m.def("glu_backward.cpp(Tensor dy, Tensor gate, Tensor? up, str activation) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
+  m.impl("glu.cpp", &glu_forward);
+  m.impl("glu_backward.cpp", &glu_backward);
+}
+
+TORCH_LIBRARY_IMPL(te_lab, Autograd, m) { m.impl("glu.cpp", &glu_autograd); }
+
+}  // namespace te_lab_cpu

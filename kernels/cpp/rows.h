@@ -1,0 +1,52 @@
+// Row blocks in the compute dtype: what te_lab's C++ CPU kernels share. A row of T
+// (float, double, bfloat16, half) is processed in blocks of up to BLOCK elements,
+// converted into a buffer of the compute type Acc (float; double for double), and the
+// math runs on at::vec::Vectorized<Acc>, which is AVX2 or AVX-512 code where the
+// library was built for it (kernels/cpu_kernels.py passes torch's CPU capability).
+
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace te_lab_cpu {
+
+constexpr int64_t BLOCK = 512;
+
+template <typename Acc>
+using Vec = at::vec::Vectorized<Acc>;
+
+// Rows per parallel task: about 16K elements, so that small inputs stay on one thread.
+inline int64_t rows_per_task(int64_t n_cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n_cols, 1)); }
+
+template <typename T, typename Acc>
+inline void load_block(const T* src, Acc* dst, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<Acc>(src[j]);
+}
+
+template <typename T, typename Acc>
+inline void store_block(const Acc* src, T* dst, int64_t count) {
+  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(src[j]);
+}
+
+// f(offset, count) over [0, count) in steps of one vector; the last step may be partial
+// (Vec::loadu(ptr, count) pads with zeros, store(ptr, count) writes count elements).
+template <typename Acc, typename F>
+inline void for_each_vector(int64_t count, const F& f) {
+  constexpr int64_t step = Vec<Acc>::size();
+  int64_t j = 0;
+  for (; j + step <= count; j += step) f(j, step);
+  if (j < count) f(j, count - j);
+}
+
+template <typename Acc>
+inline Acc sum_of(const Vec<Acc>& partial) {
+  return at::vec::vec_reduce_all<Acc>([](Vec<Acc>& a, Vec<Acc>& b) { return a + b; }, partial);
+}
+
+}  // namespace te_lab_cpu
