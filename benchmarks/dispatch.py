@@ -5,23 +5,24 @@
 At small sizes (64 tokens x 64 hidden by default, where a notebook's tiny model lives)
 a fused op's time is mostly what it costs to get to its kernels: argument checks,
 backend selection, the autograd Function, the op's registration. For each op case,
-forward and backward together, three contenders are timed interleaved (each sample the
+forward and backward together, four contenders are timed interleaved (each sample the
 mean of ``calls`` calls):
 
 - ``te_lab``: the public op, automatic backend, forward and the gradients of every input;
 - ``kernels``: the same work with nothing around it: each te_lab op's implementation
   called directly with the arguments the op gave it in one recorded real call (forward
   and backward ops alike);
+- ``autograd``: autograd's round trip for the same inputs with no math (the gradient of
+  a view of each), which eager code pays too, once per backward pass, whatever its ops;
 - ``eager``: the model code the op replaces.
 
-``overhead per call`` = (te_lab - kernels) / the number of te_lab op calls one step
-makes: the per-call, per-direction cost above the op's own kernel time.
+``overhead per call`` = (te_lab - kernels - autograd) / the number of te_lab op calls one
+step makes: the per-call, per-direction cost above the op's own kernel time.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -32,28 +33,13 @@ from te_lab.kernels import custom_ops, registered_ops, select_backend
 
 from .cases import OP_CASES, OPTIMIZER_OPS, OpCase, Size, op_cases
 from .harness import Contender, Sampling, interleaved, op_contender, upstream_gradients
+from .op_calls import automatic_backend, recording_op_calls
 from .stats import speedup
 
 DEFAULT_SIZE = Size(64, 64)
 # The smallest whole heads of 128: attention's q/k/v, RoPE's GQA 4:1 k.
 SMALLEST = {"attention": Size(64, 128), "rope": Size(64, 512)}
-CONTENDERS = ("te_lab", "kernels", "eager")
-
-
-@contextlib.contextmanager
-def recording_op_calls(calls: list):
-    """Record every te_lab op call (the op and its arguments) made inside the block."""
-    original = custom_ops.CustomOp.__call__
-
-    def record(op, *args):
-        calls.append((op, args))
-        return original(op, *args)
-
-    custom_ops.CustomOp.__call__ = record
-    try:
-        yield
-    finally:
-        custom_ops.CustomOp.__call__ = original
+CONTENDERS = ("te_lab", "kernels", "autograd", "eager")
 
 
 def recorded_kernels(fused: Callable, inputs: tuple, upstream: list) -> list[tuple[custom_ops.CustomOp, tuple]]:
@@ -62,6 +48,14 @@ def recorded_kernels(fused: Callable, inputs: tuple, upstream: list) -> list[tup
     with recording_op_calls(calls):
         op_contender("te_lab", fused, inputs, "forward+backward", upstream).step()
     return calls
+
+
+def _engine_step(inputs: tuple) -> Callable[[], object]:
+    """Autograd's round trip for ``inputs`` with no math: the gradient of a view of each.
+    Eager code and te_lab pay it once per backward pass, whatever its ops."""
+    views = lambda: tuple(x.view_as(x) for x in inputs)  # noqa: E731
+    ones = [torch.ones_like(x) for x in inputs]
+    return lambda: torch.autograd.grad(views(), inputs, ones)
 
 
 def _kernels_step(calls: list) -> Callable[[], None]:
@@ -83,9 +77,11 @@ class DispatchResult:
 
     @property
     def overhead_per_call_us(self) -> Optional[float]:
+        """(te_lab - kernels - autograd's round trip) / te_lab op calls."""
         if not self.calls:
             return None
-        return (self.median_us["te_lab"] - self.median_us["kernels"]) / self.calls
+        us = self.median_us
+        return (us["te_lab"] - us["kernels"] - us["autograd"]) / self.calls
 
 
 def run_case(case: OpCase, size: Size, device: torch.device, *, rounds: int, calls: int) -> DispatchResult:
@@ -94,10 +90,11 @@ def run_case(case: OpCase, size: Size, device: torch.device, *, rounds: int, cal
     recorded = recorded_kernels(fused, case.inputs, upstream)
     contenders = [op_contender("te_lab", fused, case.inputs, "forward+backward", upstream),
                   Contender("kernels", _kernels_step(recorded)),
+                  Contender("autograd", _engine_step(case.inputs)),
                   op_contender("eager", case.baseline, case.inputs, "forward+backward", upstream)]
     timings, _ = interleaved(contenders, device, rounds=rounds, warmup=3, sampling=Sampling(calls=calls))
     ratio = speedup(timings["te_lab"], timings["eager"])
-    backend = select_backend(registered_ops()[case.op], device)
+    backend = automatic_backend(case, device) or select_backend(registered_ops()[case.op], device)
     return DispatchResult(case.name, size, backend, len(recorded),
                           {name: timings[name].median_ms * 1000 for name in CONTENDERS},
                           {"value": ratio.value, "interval_low": ratio.interval_low,
@@ -126,14 +123,16 @@ def as_record(result: DispatchResult) -> dict:
 
 def markdown(records: list[dict]) -> list[str]:
     """The dispatch table (records as :func:`as_record` writes them)."""
-    lines = ["| case | size | backend | te_lab us | kernels alone us | eager us | te_lab op calls | "
-             "overhead per call us | te_lab vs eager |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| case | size | backend | te_lab us | kernels alone us | autograd round trip us | eager us | "
+             "te_lab op calls | overhead per call us | te_lab vs eager |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         us = r["median_us"]
         overhead = "-" if r["overhead_per_call_us"] is None else f"{r['overhead_per_call_us']:.1f}"
         ratio = r["te_lab_vs_eager"]
         lines.append(f"| {r['case']} | {r['tokens']}x{r['hidden']} | {r['backend']} | {us['te_lab']:.1f} | "
-                     f"{us['kernels']:.1f} | {us['eager']:.1f} | {r['te_lab_op_calls']} | {overhead} | "
+                     f"{us['kernels']:.1f} | {us['autograd']:.1f} | {us['eager']:.1f} | {r['te_lab_op_calls']} | "
+                     f"{overhead} | "
                      f"{ratio['value']:.2f}x [{ratio['interval_low']:.2f}-{ratio['interval_high']:.2f}] |")
     return lines
 

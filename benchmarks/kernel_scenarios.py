@@ -45,10 +45,11 @@ CI_SCENARIOS = frozenset([
     "fused_linear_cross_entropy bf16 vocab=128256 mean",
     "attention fp32 head_dim=64 causal", "attention fp32 head_dim=128", "attention bf16 head_dim=64 causal",
     "attention bf16 head_dim=128", "attention fp16 head_dim=128 causal", "attention fp32 head_dim=64 causal tf32",
-    "attention fp32 head_dim=128 boolean mask",
+    "attention fp32 head_dim=128 boolean mask", "attention fp32 head_dim=64",
     "rope fp32 head_dim=128", "rope bf16 head_dim=64 interleaved", "rope fp16 head_dim=128",
     "glu bf16 silu width=14336", "glu fp32 gelu_tanh width=14336 concatenated", "glu fp16 gelu width=14336",
     "bias_act bf16 gelu cols=16384", "bias_act fp32 silu cols=16384", "bias_act fp16 gelu_tanh cols=16384",
+    "bias_act fp32 gelu cols=16384",
     "adamw fp32", "adamw bf16 amsgrad", "adamw fp16",
 ])
 

@@ -21,8 +21,8 @@ from te_lab.kernels import FusedAdamW, available_backends, registered_ops, selec
 from te_lab.kernels.registry import aten_kernel_exists
 
 from .cases import OpCase, Size, adamw_bytes, adamw_parameters, op_cases
-from .dispatch import recording_op_calls
 from .harness import Contender, Timing, interleaved, op_contender, op_sampling, peak_memory_bytes, upstream_gradients
+from .op_calls import automatic_backend
 from .stats import speedup
 
 OP_MODES = ("forward", "backward", "forward+backward")
@@ -68,19 +68,6 @@ def te_lab_backends(op_name: str, device: torch.device, only: Optional[tuple[str
              if (b != "reference" or b == auto) and (b != "triton" or devices.is_gpu(device))
              and (only is None or b in only)]
     return [(backend, backend == auto) for backend in timed]
-
-
-def automatic_backend(case: OpCase, device: torch.device) -> Optional[str]:
-    """For an op whose automatic CPU choice is measured per size class (layer_norm,
-    bias_act, linear), the backend that choice runs for the case's inputs: the backend
-    argument of the te_lab op its forward calls (reference when it calls none). None
-    elsewhere: the registry's choice does not depend on the inputs."""
-    if devices.is_gpu(device) or not registered_ops()[case.op].cpu_measured:
-        return None
-    calls: list = []
-    with recording_op_calls(calls), torch.no_grad():
-        case.fused(*case.inputs, backend=None)
-    return calls[0][1][-1] if calls else "reference"
 
 
 def case_functions(case: OpCase, device: torch.device,

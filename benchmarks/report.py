@@ -133,8 +133,10 @@ def markdown(results: dict, *, title: str = "te_lab benchmark results") -> str:
     if results.get("dispatch"):
         sections += ["## Per call: te_lab's ops against their own kernels (benchmarks/dispatch.py)", "",
                      "Forward and backward together; `kernels alone` calls each te_lab op's implementation "
-                     "directly with the arguments the op passed it; overhead per call = (te_lab - kernels) / "
-                     "te_lab op calls.", "", *dispatch_table(results["dispatch"]), ""]
+                     "directly with the arguments the op passed it; `autograd round trip` is the gradient of a "
+                     "view of each input, the engine's fixed cost that eager code pays as well; overhead per "
+                     "call = (te_lab - kernels - autograd round trip) / te_lab op calls.", "",
+                     *dispatch_table(results["dispatch"]), ""]
     if results["ops"]:
         sections += ["## Per op: te_lab against the baselines", "", *ops_summary_table(results), "",
                      "## Per op: every contender", "", *ops_detail_table(results), ""]
