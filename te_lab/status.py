@@ -9,7 +9,7 @@ import importlib.metadata
 import torch
 
 from te_lab import __version__, device as devices
-from te_lab.kernels import available_backends, compiled, measured_choice, registered_ops, select_backend
+from te_lab.kernels import available_backends, compiled, cpu_kernels, measured_choice, registered_ops, select_backend
 from te_lab.kernels.registry import describe_backend
 
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
@@ -31,6 +31,13 @@ def triton_line(device_type: str) -> str:
     return f"triton backend on {device_type}: " + ("available" if reason is None else f"unavailable: {reason}")
 
 
+def cpp_line() -> str:
+    """Whether te_lab's C++ CPU kernels (the ``cpp`` backend) are built here, and where."""
+    reason = cpu_kernels.unavailable_reason()
+    return "cpp backend on cpu: " + (f"built in {cpu_kernels.build_directory()}" if reason is None
+                                     else f"unavailable: {reason}")
+
+
 def measured_choice_lines() -> list[str]:
     """The machine-dependent choices measured here so far (kernels.measured_choice)."""
     made = measured_choice.decisions()
@@ -44,7 +51,8 @@ def measured_choice_lines() -> list[str]:
 
 def status_lines() -> list[str]:
     """Devices (the default first), backends per op on the default device (the automatic
-    choice, then the others available), Triton's availability, versions and threads."""
+    choice, then the others available), Triton's and the C++ kernels' availability, the
+    measured choices, versions and threads."""
     default = devices.default_device()
     lines = [f"devices: {', '.join(str(d) for d in devices.available_devices())} (default {default}: "
              f"{devices.device_name(default)})", f"backends on {default} (auto choice first):"]
@@ -53,6 +61,7 @@ def status_lines() -> list[str]:
         others = [b for b in available_backends(op, default) if b != chosen]
         lines.append(f"  {name}: {describe_backend(op, default)}" + (f" (also: {', '.join(others)})" if others else ""))
     lines.append(triton_line(default.type))
+    lines.append(cpp_line())
     lines.extend(measured_choice_lines())
     slow = sorted(name for name, how in compiled.LOWERING.items() if how != "direct")
     if slow:

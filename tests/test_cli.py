@@ -16,7 +16,7 @@ from te_lab import ProfileReport, device as devices
 from te_lab.benchmarks.schema import SCHEMA_ID
 from te_lab.cli import build_parser, main
 from te_lab.cli.lab import checkout_notebooks, jupyter_command
-from te_lab.kernels import registered_ops, select_backend
+from te_lab.kernels import cpu_kernels, registered_ops, select_backend
 
 REPO = Path(__file__).resolve().parent.parent
 TE_LAB = Path(sys.executable).parent / "te-lab"
@@ -110,6 +110,7 @@ def test_info_lists_devices_backends_triton_and_versions(tmp_path):
     for name, op in registered_ops().items():
         assert f"\n  {name}: {select_backend(op, default)}" in result.stdout
     assert f"triton backend on {default.type}: " in result.stdout
+    assert f"cpp backend on cpu: built in {cpu_kernels.build_directory()}\n" in result.stdout
     assert "versions: torch 2." in result.stdout and "torch_musa " in result.stdout
     assert "  musa: " in result.stdout and "  cuda: " in result.stdout
     assert f"torch.distributed backend on {default}: {devices.distributed_backend(default)}" in result.stdout
