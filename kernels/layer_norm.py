@@ -309,38 +309,57 @@ class _Triton:
                 db_partial.sum(0).to(bias.dtype) if need_db else None)
 
 
-_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
+class _Cpp:
+    """The same ATen kernels as native, reached from C++ (kernels/cpp/layer_norm.cpp): an
+    eager call goes through the op's C++ overload, autograd and all (custom_ops); these
+    run it for the dispatched path (torch.compile, autocast, modes)."""
+
+    @staticmethod
+    def forward(x, residual, weight, bias, eps):
+        y, h, mean, rstd = torch.ops.te_lab.layer_norm.cpp(x, residual, weight, bias, eps)
+        return y, (None if residual is None else h), mean, rstd
+
+    @staticmethod
+    def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
+        dx, dw, db = torch.ops.te_lab.layer_norm_backward.cpp(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db)
+        return dx, (dw if need_dw else None), (db if need_db else None)
+
+
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
 
 def _cpu_samples(dtype: torch.dtype, rows: int, n: int):
-    """Forward and backward of an affine LayerNorm over ``rows`` x ``n`` on each CPU
-    backend, on constant inputs (the caller's RNG is left alone)."""
-    x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n)
-    dy = torch.full((rows, n), 0.01, dtype=dtype)
-    weight, bias = torch.ones(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+    """One training call (forward and backward, through the public op) of an affine
+    LayerNorm over ``rows`` x ``n`` per CPU backend, on constant inputs (the caller's RNG
+    is left alone): what the C++ backend saves is mostly the Python around the kernels."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n).requires_grad_()
+        weight = torch.ones(n, dtype=dtype, requires_grad=True)
+        bias = torch.zeros(n, dtype=dtype, requires_grad=True)
+        dy = torch.full((rows, n), 0.01, dtype=dtype)
 
-    def sample(implementation):
-        @torch.no_grad()
+    def sample(backend):
         def run():
-            _, _, mean, rstd = implementation.forward(x, None, weight, bias, 1e-5)
-            implementation.backward(dy, None, x, weight, bias, mean, rstd, True, True)
+            with torch.inference_mode(False), torch.enable_grad():
+                torch.autograd.grad(layer_norm(x, weight, bias, backend=backend), (x, weight, bias), dy)
         return run
 
-    return {"native": sample(_Native), "inductor": sample(_Inductor)}
+    return {name: sample(name) for name in ("cpp", "native", "inductor")}
 
 
 LAYER_NORM = register_op(FusedOp(
     name=NAME,
     reference=layer_norm_reference,
     implementations=_IMPLEMENTATIONS,
-    # Native (ATen's kernels) by default; on the CPU the faster of native and inductor is
-    # measured per class of sizes: Inductor's wrapper costs less per call at small sizes,
-    # ATen's row reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU:
-    # native 1.13-1.21x eager, inductor 0.90-0.99x).
-    cpu_preference="native",
-    cpu_measured=("native", "inductor"),
+    # On the CPU the fastest of cpp (ATen's kernels, reached from C++), native (the same
+    # kernels through Python) and inductor is measured per class of sizes: Inductor's
+    # wrapper cost less per call than the Python path at small sizes, ATen's row
+    # reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU: native
+    # 1.13-1.21x eager, inductor 0.90-0.99x).
+    cpu_preference="cpp",
+    cpu_measured=("cpp", "native", "inductor"),
     cpu_samples=_cpu_samples,
     native_supports=_native_supports,
     costs=COSTS,
@@ -418,8 +437,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
 
     Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``weight``
     and ``bias`` have the length of the last dimension (their dtypes may differ from
-    ``x``'s). ``backend`` forces ``"triton"``, ``"native"``, ``"inductor"`` or
-    ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    ``x``'s). ``backend`` forces ``"triton"``, ``"native"``, ``"inductor"``, ``"cpp"``
+    or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "x", x)
     n = x.shape[-1]
