@@ -437,7 +437,8 @@ class _BackwardBlocks(NamedTuple):
     num_warps: int
 
 
-def _backward_blocks(head_dim: int, dtype: torch.dtype, precision: str, masked: bool) -> _BackwardBlocks:
+def _backward_blocks(head_dim: int, dtype: torch.dtype, precision: str, masked: bool,
+                     causal: bool) -> _BackwardBlocks:
     """The backward, which holds two accumulators and more tiles per step, walks 32-row
     blocks on 8 warps, and float32 (whose IEEE dots run on FMA, not tensor cores) owns 32-row
     blocks: the sizes at which nothing spills on sm_80 and sm_90 at head_dim 64 and 128
@@ -447,12 +448,21 @@ def _backward_blocks(head_dim: int, dtype: torch.dtype, precision: str, masked: 
     keys. A mask tile is one more load per step: float32 at 512-byte rows then takes 16-row
     query blocks in both kernels (32 spilled up to 368 B in dK/dV on sm_90, 72 B in dK/dV and
     16 B in dQ on sm_80 under Triton 3.2), and half precision owns 32 keys in dK/dV (64
-    spilled 8-40 B at 255 registers on sm_80)."""
+    spilled 8-40 B at 255 registers on sm_80). Float32 IEEE at 256-byte rows (head_dim 64)
+    without causality or a mask: dK/dV owns 16 keys and dQ walks 16 (32 spilled 16 B in
+    dK/dV on sm_80 and in dQ on sm_90 under Triton 3.9 at 63-80 registers; the causal
+    kernels do not spill, and dK/dV over 16 causal keys would, 32 B on sm_80). Half precision
+    at 512-byte rows (head_dim 256): dQ owns 16 queries and dK/dV 16 keys (32 spilled 16 B
+    in dQ and, causal, 32 B in dK/dV at 255 registers on sm_80 under Triton 3.2)."""
     block_d = _padded_head_dim(head_dim)
     row_bytes = _row_bytes(block_d, dtype)
     queries = 64 if row_bytes <= 256 and dtype != torch.float32 else 32
     keys = dkdv_queries = 32
     dkdv_keys = 16 if precision == "tf32" else queries
+    if dtype != torch.float32 and row_bytes > 256:
+        queries = dkdv_keys = 16
+    elif dtype == torch.float32 and precision == "ieee" and row_bytes == 256 and not (causal or masked):
+        keys = dkdv_keys = 16
     if masked and dtype == torch.float32 and row_bytes > 256:
         queries = dkdv_queries = 16
     elif masked:
@@ -498,7 +508,7 @@ class _Triton:
         batch, heads_q, seq_q, head_dim = q.shape
         heads_kv, seq_k = k.shape[1], k.shape[2]
         precision = _dot_precision(q)
-        blocks = _backward_blocks(head_dim, q.dtype, precision, masked=mask is not None)
+        blocks = _backward_blocks(head_dim, q.dtype, precision, masked=mask is not None, causal=causal)
         mask, mask_strides, mask_kind = _kernel_mask(mask, (batch, heads_q, seq_q, seq_k))
         delta = torch.empty_like(lse)
         dq, dk, dv = _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)

@@ -237,6 +237,38 @@ def test_tf32_launches_compute_the_same_attention():
         assert_close(g, w, torch.float32, "triton")
 
 
+@pytest.mark.triton_interpreter
+@pytest.mark.skipif(not TRITON or not interpreted("triton"), reason="needs the triton backend through the interpreter")
+@pytest.mark.parametrize("dtype, head_dim, causal, blocks", [
+    # float32 IEEE at head_dim 64 without causality or a mask: dK/dV owns 16 keys, dQ walks 16
+    (torch.float32, 64, False, {"_attention_dkdv_kernel": (32, 16), "_attention_dq_kernel": (32, 16)}),
+    # half precision at head_dim 256: dQ owns 16 queries, dK/dV 16 keys
+    (torch.float16, 256, True, {"_attention_dkdv_kernel": (32, 16), "_attention_dq_kernel": (16, 32)}),
+    (torch.bfloat16, 256, False, {"_attention_dkdv_kernel": (32, 16), "_attention_dq_kernel": (16, 32)}),
+], ids=["fp32-head-dim-64", "fp16-head-dim-256-causal", "bf16-head-dim-256"])
+def test_retiled_backward_launches_compute_the_same_attention(dtype, head_dim, causal, blocks):
+    """The backward blocks chosen where 32 spilled on sm_80/sm_90 (see _backward_blocks) are
+    the ones launched, and give the formula's numbers over partial blocks and GQA."""
+    from te_lab.benchmarks.kernel_launches import recording_launches
+
+    q, k, v, _ = _inputs(1, 4, 2, 45, 45, head_dim, None, dtype)
+    # launched as on a GPU: bf16 operands reach tl.dot, multiplied as tensor cores would
+    with _exact_bf16_dot_in_the_interpreter(), recording_launches(execute=True) as log:
+        got = _run(attention, q, k, v, causal=causal, backend="triton")
+    launched = {record["kernel"].split(":")[1]: (record["arguments"]["BLOCK_M"]["value"],
+                                                 record["arguments"]["BLOCK_N"]["value"])
+                for record in log.records.values() if record["kernel"].split(":")[1] in blocks}
+    assert launched == blocks
+    want = _run(attention_reference, q, k, v, causal=causal)
+    exact = _run(attention_reference, q.double(), k.double(), v.double(), dtype, causal=causal)
+    assert_close(got[0], want[0], dtype, "triton")
+    for g, w, e in zip(got[1:], want[1:], exact[1:]):
+        if dtype in HALF_DTYPES:
+            _assert_as_accurate(g, w, e, dtype, "triton")
+        else:
+            assert_close(g, w, dtype, "triton")
+
+
 @pytest.mark.parametrize("path", [
     # what CUDA and MUSA run: SDPA with its own autograd
     pytest.param(dict(_cpu_flash=lambda device_type: False), id="sdpa-autograd"),
