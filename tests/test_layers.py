@@ -15,7 +15,7 @@ PACKAGES = {"te_lab": ROOT / "te_lab", "te_lab.kernels": ROOT / "kernels", "te_l
             "te_lab.benchmarks": ROOT / "benchmarks"}
 # Lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("device", ("te_lab.device", "te_lab.inputs", "te_lab.distributed")),
+    ("device", ("te_lab.device", "te_lab.inputs", "te_lab.distributed", "te_lab.cache")),
     ("kernels", ("te_lab.kernels", "te_lab.options")),
     ("modules", ("te_lab.modules", "te_lab.models")),
     ("surgery", ("te_lab.surgery",)),
