@@ -104,16 +104,18 @@ template <typename T, typename Acc>
 void forward_rows(const T* gate, const T* up, T* y, const Halves& shape, Activation activation) {
   using V = Vec<Acc>;
   at::parallel_for(0, shape.rows, rows_per_task(shape.n), [&](int64_t begin, int64_t end) {
-    Acc a[BLOCK], b[BLOCK];
+    Acc a[BLOCK], b[BLOCK], out_buf[BLOCK];
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t start = 0; start < shape.n; start += BLOCK) {
         const int64_t count = std::min(BLOCK, shape.n - start);
-        load_block(gate + row * shape.gate_stride + start, a, count);
-        load_block(up + row * shape.up_stride + start, b, count);
+        const Acc* gates = load_block(gate + row * shape.gate_stride + start, a, count);
+        const Acc* ups = load_block(up + row * shape.up_stride + start, b, count);
+        T* dst = y + row * shape.n + start;
+        Acc* out = output_block(dst, out_buf);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          (activate(activation, V::loadu(a + j, c)) * V::loadu(b + j, c)).store(a + j, c);
+          (activate(activation, V::loadu(gates + j, c)) * V::loadu(ups + j, c)).store(out + j, c);
         });
-        store_block(a, y + row * shape.n + start, count);
+        store_block(out, dst, count);
       }
     }
   });
@@ -137,28 +139,32 @@ Tensor glu_forward(const Tensor& gate_in, const std::optional<Tensor>& up_in, c1
   return y;
 }
 
-// dgate = dy * up * act'(gate), dup = dy * act(gate), written where dgate_out / dup_out
-// say (for a gate-up input: the two halves of one [rows, 2N] gradient).
+// dgate = dy * up * act'(gate), dup = dy * act(gate), written where dgate / dup point (for
+// a gate-up input: the two halves of one [rows, 2N] gradient).
 template <typename T, typename Acc>
 void backward_rows(const T* dy, const T* gate, const T* up, T* dgate, T* dup, const Halves& shape,
                    Activation activation) {
   using V = Vec<Acc>;
   at::parallel_for(0, shape.rows, rows_per_task(shape.n), [&](int64_t begin, int64_t end) {
-    Acc a[BLOCK], b[BLOCK], g[BLOCK];
+    Acc a[BLOCK], b[BLOCK], g[BLOCK], dgate_buf[BLOCK], dup_buf[BLOCK];
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t start = 0; start < shape.n; start += BLOCK) {
         const int64_t count = std::min(BLOCK, shape.n - start);
-        load_block(dy + row * shape.n + start, a, count);
-        load_block(gate + row * shape.gate_stride + start, g, count);
-        load_block(up + row * shape.up_stride + start, b, count);
+        const Acc* dys = load_block(dy + row * shape.n + start, a, count);
+        const Acc* gates = load_block(gate + row * shape.gate_stride + start, g, count);
+        const Acc* ups = load_block(up + row * shape.up_stride + start, b, count);
+        T* dgate_dst = dgate + row * shape.gate_stride + start;
+        T* dup_dst = dup + row * shape.up_stride + start;
+        Acc* dgates = output_block(dgate_dst, dgate_buf);
+        Acc* dups = output_block(dup_dst, dup_buf);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          const V dyv = V::loadu(a + j, c);
-          const auto [act, grad] = activate_with_grad(activation, V::loadu(g + j, c));
-          (dyv * V::loadu(b + j, c) * grad).store(g + j, c);
-          (dyv * act).store(b + j, c);
+          const V dyv = V::loadu(dys + j, c);
+          const auto [act, grad] = activate_with_grad(activation, V::loadu(gates + j, c));
+          (dyv * V::loadu(ups + j, c) * grad).store(dgates + j, c);
+          (dyv * act).store(dups + j, c);
         });
-        store_block(g, dgate + row * shape.gate_stride + start, count);
-        store_block(b, dup + row * shape.up_stride + start, count);
+        store_block(dgates, dgate_dst, count);
+        store_block(dups, dup_dst, count);
       }
     }
   });

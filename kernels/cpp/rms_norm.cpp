@@ -55,15 +55,18 @@ void forward_rows(const T* x, const T* residual, const Acc* scale, T* y, T* h, A
       V squares(Acc(0));
       for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t count = std::min(BLOCK, n - start);
-        load_block(xr + start, a, count);
+        const Acc* values = load_block(xr + start, a, count);
         if (rr != nullptr) {  // h = x + residual, rounded to T as the next residual stream is
-          load_block(rr + start, b, count);
-          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) { (V::loadu(a + j, c) + V::loadu(b + j, c)).store(a + j, c); });
-          store_block(a, hr + start, count);
-          load_block(hr + start, a, count);
+          const Acc* r = load_block(rr + start, b, count);
+          Acc* sums = output_block(hr + start, a);
+          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+            (V::loadu(values + j, c) + V::loadu(r + j, c)).store(sums + j, c);
+          });
+          store_block(sums, hr + start, count);
+          values = load_block(hr + start, a, count);
         }
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          const V v = V::loadu(a + j, c);
+          const V v = V::loadu(values + j, c);
           squares = squares + v * v;
         });
       }
@@ -72,11 +75,12 @@ void forward_rows(const T* x, const T* residual, const Acc* scale, T* y, T* h, A
       const T* src = rr == nullptr ? xr : hr;
       for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t count = std::min(BLOCK, n - start);
-        load_block(src + start, a, count);
+        const Acc* values = load_block(src + start, a, count);
+        Acc* out = output_block(y + row * n + start, b);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          (V::loadu(a + j, c) * V(s) * V::loadu(scale + start + j, c)).store(a + j, c);
+          (V::loadu(values + j, c) * V(s) * V::loadu(scale + start + j, c)).store(out + j, c);
         });
-        store_block(a, y + row * n + start, count);
+        store_block(out, y + row * n + start, count);
       }
     }
   });
@@ -112,7 +116,7 @@ void backward_rows(const T* dy, const T* dh, const T* h, const Acc* scale, const
   using V = Vec<Acc>;
   const int64_t per_task = (rows + tasks - 1) / tasks;
   at::parallel_for(0, tasks, 1, [&](int64_t first_task, int64_t last_task) {
-    Acc a[BLOCK], b[BLOCK], c_buf[BLOCK];
+    Acc a[BLOCK], b[BLOCK], c_buf[BLOCK], out_buf[BLOCK];
     for (int64_t task = first_task; task < last_task; ++task) {
       Acc* dw = dw_partial == nullptr ? nullptr : dw_partial + task * n;
       const int64_t end = std::min(rows, (task + 1) * per_task);
@@ -123,27 +127,28 @@ void backward_rows(const T* dy, const T* dh, const T* h, const Acc* scale, const
         V products(Acc(0));  // sum of g * h, g = dy * scale
         for (int64_t start = 0; start < n; start += BLOCK) {
           const int64_t count = std::min(BLOCK, n - start);
-          load_block(dyr + start, a, count);
-          load_block(hr + start, b, count);
+          const Acc* dys = load_block(dyr + start, a, count);
+          const Acc* hs = load_block(hr + start, b, count);
           for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-            products = products + V::loadu(a + j, c) * V::loadu(scale + start + j, c) * V::loadu(b + j, c);
+            products = products + V::loadu(dys + j, c) * V::loadu(scale + start + j, c) * V::loadu(hs + j, c);
           });
         }
         const V mean(sum_of(products) * s / static_cast<Acc>(n));  // mean of g * x_hat
         for (int64_t start = 0; start < n; start += BLOCK) {
           const int64_t count = std::min(BLOCK, n - start);
-          load_block(dyr + start, a, count);
-          load_block(hr + start, b, count);
-          if (dh != nullptr) load_block(dh + row * n + start, c_buf, count);
+          const Acc* dys = load_block(dyr + start, a, count);
+          const Acc* hs = load_block(hr + start, b, count);
+          const Acc* dhs = dh == nullptr ? nullptr : load_block(dh + row * n + start, c_buf, count);
+          Acc* out = output_block(dx + row * n + start, out_buf);
           for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-            const V dyv = V::loadu(a + j, c);
-            const V x_hat = V::loadu(b + j, c) * V(s);
+            const V dyv = V::loadu(dys + j, c);
+            const V x_hat = V::loadu(hs + j, c) * V(s);
             V grad = (dyv * V::loadu(scale + start + j, c) - x_hat * mean) * V(s);
-            if (dh != nullptr) grad = grad + V::loadu(c_buf + j, c);
+            if (dhs != nullptr) grad = grad + V::loadu(dhs + j, c);
             if (dw != nullptr) (V::loadu(dw + start + j, c) + dyv * x_hat).store(dw + start + j, c);
-            grad.store(a + j, c);
+            grad.store(out + j, c);
           });
-          store_block(a, dx + row * n + start, count);
+          store_block(out, dx + row * n + start, count);
         }
       }
     }

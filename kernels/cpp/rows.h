@@ -1,7 +1,7 @@
 // Row blocks in the compute dtype: what te_lab's C++ CPU kernels share. A row of T
-// (float, double, bfloat16, half) is processed in blocks of up to BLOCK elements,
-// converted into a buffer of the compute type Acc (float; double for double), and the
-// math runs on at::vec::Vectorized<Acc>, which is AVX2 or AVX-512 code where the
+// (float, double, bfloat16, half) is processed in blocks of up to BLOCK elements, read in
+// the compute type Acc (float; double for double): in place where T is Acc, else
+// converted into a buffer on the stack (and results converted back), and the math runs on at::vec::Vectorized<Acc>, which is AVX2 or AVX-512 code where the
 // library was built for it (kernels/cpu_kernels.py passes torch's CPU capability).
 
 #pragma once
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace te_lab_cpu {
 
@@ -24,14 +25,34 @@ using Vec = at::vec::Vectorized<Acc>;
 // Rows per parallel task: about 16K elements, so that small inputs stay on one thread.
 inline int64_t rows_per_task(int64_t n_cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n_cols, 1)); }
 
+// count elements of src in the compute type: src itself where T is it, else converted
+// into buffer.
 template <typename T, typename Acc>
-inline void load_block(const T* src, Acc* dst, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<Acc>(src[j]);
+inline const Acc* load_block(const T* src, Acc* buffer, int64_t count) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    return src;
+  } else {
+    for (int64_t j = 0; j < count; ++j) buffer[j] = static_cast<Acc>(src[j]);
+    return buffer;
+  }
+}
+
+// Where to write count results bound for dst: dst itself where T is the compute type, else
+// buffer, which store_block then converts into dst.
+template <typename T, typename Acc>
+inline Acc* output_block(T* dst, Acc* buffer) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    return dst;
+  } else {
+    return buffer;
+  }
 }
 
 template <typename T, typename Acc>
-inline void store_block(const Acc* src, T* dst, int64_t count) {
-  for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(src[j]);
+inline void store_block(const Acc* results, T* dst, int64_t count) {
+  if constexpr (!std::is_same_v<T, Acc>) {
+    for (int64_t j = 0; j < count; ++j) dst[j] = static_cast<T>(results[j]);
+  }
 }
 
 // f(offset, count) over [0, count) in steps of one vector; the last step may be partial
