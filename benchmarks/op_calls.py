@@ -39,6 +39,8 @@ def automatic_backend(case: OpCase, device: torch.device) -> Optional[str]:
     if devices.is_gpu(device) or not registered_ops()[case.op].cpu_measured:
         return None
     calls: list = []
-    with recording_op_calls(calls), torch.no_grad():
-        case.fused(*case.inputs, backend=None)
+    with torch.no_grad():
+        case.fused(*case.inputs, backend=None)  # a first call may measure, running every candidate
+        with recording_op_calls(calls):
+            case.fused(*case.inputs, backend=None)
     return calls[0][1][-1] if calls else "reference"

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from te_lab.kernels import rms_norm
+from te_lab.kernels import available_backends, registered_ops, rms_norm
 from te_lab.profiler.estimates import BYTES_FORMULA, element_size, op_cost
 
 F32, BF16 = "float", "c10::BFloat16"
@@ -103,13 +103,17 @@ def test_odd_inputs_never_raise(name, shapes, dtypes):
     assert min(cost.bytes_read, cost.bytes_written, cost.flops) >= 0
 
 
-def test_a_profiled_rms_norm_event_is_read_as_expected():
+@pytest.mark.parametrize("backend", [name for name in ("inductor", "cpp")
+                                     if name in available_backends(registered_ops()["rms_norm"], torch.device("cpu"))])
+def test_a_profiled_rms_norm_event_is_read_as_expected(backend):
     x, weight = torch.randn(4, 8, 256), torch.randn(256)
-    rms_norm(x, weight)  # compile outside the profiled region
+    rms_norm(x, weight, backend=backend)  # compile outside the profiled region
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
-        rms_norm(x, weight)
+        rms_norm(x, weight, backend=backend)
     event = next(e for e in prof.profiler.kineto_results.events() if e.name() == "te_lab::rms_norm")
-    assert (event.shapes(), event.dtypes()) == (RMS_NORM_SHAPES, RMS_NORM_DTYPES)
+    # The C++ overload takes the op's arguments but the last (backend), under the op's name.
+    arguments = len(RMS_NORM_SHAPES) - (backend == "cpp")
+    assert (event.shapes(), event.dtypes()) == (RMS_NORM_SHAPES[:arguments], RMS_NORM_DTYPES[:arguments])
     assert op_cost(event.name(), event.shapes(), event.dtypes(), event.flops()) == \
         op_cost("te_lab::rms_norm", RMS_NORM_SHAPES, RMS_NORM_DTYPES)
     cost = op_cost(event.name(), event.shapes(), event.dtypes(), event.flops())
