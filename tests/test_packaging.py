@@ -154,9 +154,12 @@ def test_wheel_installs_kernels_and_extensions_inside_te_lab_only(tmp_path):
     assert top_level == ["te_lab"]
     for expected in ("te_lab/__init__.py", "te_lab/device.py", "te_lab/kernels/__init__.py",
                      "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py", "te_lab/benchmarks/suite.py",
-                     # the C++ CPU kernels' sources, compiled where the wheel is installed
                      "te_lab/kernels/cpp/rms_norm.cpp"):
         assert expected in names
+    # the C++ CPU kernels' sources and headers, compiled where the wheel is installed
+    cpp_sources = sorted(f"te_lab/kernels/cpp/{path.name}" for path in (REPO / "kernels" / "cpp").iterdir())
+    assert "te_lab/kernels/cpp/rows.h" in cpp_sources
+    assert [source for source in cpp_sources if source not in names] == []
     # every module of the te_lab/ source tree ships (a subpackage missing from
     # pyproject's package list would silently drop out of the wheel)
     sources = sorted(str(path.relative_to(REPO)) for path in (REPO / "te_lab").rglob("*.py"))
