@@ -16,7 +16,9 @@ non-ignored tokens, sum, none) is plain torch math on the per-token losses, so a
 hands the backward one upstream gradient per token.
 
 Backends: ``triton`` (one program per row looping over the vocabulary in blocks),
-``inductor`` (torch.compile of the formula above) and ``reference``. There is no
+``cpp`` (te_lab's C++ CPU kernel, kernels/cpp/cross_entropy.cpp: three passes over each
+row, one exp per element), ``inductor`` (torch.compile of the formula above) and
+``reference``. There is no
 ``native`` backend: ATen's ``F.cross_entropy`` is ``log_softmax`` followed by
 ``nll_loss``, which writes the log-probabilities in the forward pass and reads them back
 in the backward pass; no ATen kernel computes the loss and its gradient in one pass.
@@ -200,13 +202,31 @@ class _Triton:
         return loss, grad
 
 
+# ---- cpp: te_lab's C++ kernels (kernels/cpp/cross_entropy.cpp) ----
+
+class _Cpp:
+    """An eager call reaches the kernels through the op's C++ overload, autograd and all
+    (custom_ops); this runs them for the dispatched path and for
+    fused_linear_cross_entropy's chunks, whose scratch logits take the gradient in place."""
+
+    @staticmethod
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+        if compute_grad and logits_are_scratch and logits.is_contiguous():
+            loss = torch.ops.te_lab.cross_entropy_over_logits.cpp(logits, labels, ignore_index, label_smoothing,
+                                                                   z_loss)
+            return loss, logits
+        loss, grad = torch.ops.te_lab.cross_entropy.cpp(logits, labels, ignore_index, label_smoothing, z_loss,
+                                                        compute_grad)
+        return loss, (grad if compute_grad else None)
+
+
 # The per-backend row kernels: ``forward(logits [rows, vocab], labels int64 [rows],
 # ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch)`` returns the
 # per-row losses (float32, float64 for float64 logits) and, when ``compute_grad``, the
 # per-row loss gradient in the logits' dtype. ``logits_are_scratch`` tells a backend that
 # the caller no longer needs the logits, so the gradient may be written over them.
 # fused_linear_cross_entropy runs its chunks through these same kernels.
-IMPLEMENTATIONS = {"inductor": _Inductor}
+IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     IMPLEMENTATIONS["triton"] = _Triton
 
@@ -214,7 +234,7 @@ CROSS_ENTROPY = register_op(FusedOp(
     name=NAME,
     reference=cross_entropy_reference,
     implementations=IMPLEMENTATIONS,
-    cpu_preference="inductor",
+    cpu_preference="cpp",
     costs=COSTS,
 ))
 
@@ -295,7 +315,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     label_smoothing=..., reduction=...)`` with the vocabulary as the last dimension,
     plus ``z_loss * logsumexp(logits)**2`` per non-ignored token, reduced the same way.
     The loss is float32 (float64 for float64 logits); ``reduction="none"`` returns one
-    loss per label (0 where ignored). ``backend`` forces ``"triton"``, ``"inductor"`` or
+    loss per label (0 where ignored). ``backend`` forces ``"triton"``, ``"cpp"``, ``"inductor"`` or
     ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "logits", logits)

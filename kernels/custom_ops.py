@@ -78,7 +78,7 @@ class CustomOp:
         self.op: torch._ops.OpOverload = getattr(torch.ops.te_lab, self.name).default
         self._impl = fn
         self._direct_function: Optional[type] = None
-        self._cpp: Optional[torch._ops.OpOverload] = None
+        self._cpp = None  # the C++ overload, False where there is none (cpp_overload)
         self.__wrapped__ = fn
 
     def register_fake(self, fn: Callable) -> Callable:
@@ -113,16 +113,17 @@ class CustomOp:
 
         _LIBRARY.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
-    def cpp_overload(self) -> torch._ops.OpOverload:
+    def cpp_overload(self) -> Optional[torch._ops.OpOverload]:
         """``te_lab::<name>.cpp``: the op's C++ kernels, autograd included
-        (:mod:`te_lab.kernels.cpu_kernels`), taking the op's arguments but ``backend``."""
+        (:mod:`te_lab.kernels.cpu_kernels`), taking the op's arguments but ``backend``; None
+        for an op whose ``cpp`` backend is Python around C++ kernels (the LM head's chunks)."""
         if self._cpp is None:
-            self._cpp = getattr(torch.ops.te_lab, self.name).cpp
-        return self._cpp
+            self._cpp = getattr(getattr(torch.ops.te_lab, self.name), "cpp", False)
+        return self._cpp or None
 
     def __call__(self, *args):
         if _runs_directly(args):
-            if args[-1] == "cpp":
+            if args[-1] == "cpp" and self.cpp_overload() is not None:
                 # One crossing into C++: the forward, and the backward inside autograd's engine.
                 return self.cpp_overload()(*args[:-1])
             if self._direct_function is not None and _needs_grad(args):
