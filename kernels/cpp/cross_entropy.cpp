@@ -107,8 +107,6 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
   });
 }
 
-at::ScalarType loss_dtype(const Tensor& logits) { return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 // (losses, gradient) of logits [rows, vocab]; the gradient is written into grad when it is
 // defined, else not computed.
 Tensor forward_into(const Tensor& logits, const Tensor& labels_in, const Tensor& grad, const LossOptions& options) {
@@ -118,7 +116,7 @@ Tensor forward_into(const Tensor& logits, const Tensor& labels_in, const Tensor&
   TORCH_CHECK_VALUE(labels.numel() == rows, "cross_entropy: labels has ", labels.numel(), " elements; expected ", rows,
                     ", one per row of logits");
   check_labels(labels.const_data_ptr<int64_t>(), rows, vocab, options.ignore_index);
-  Tensor loss = at::empty({rows}, logits.options().dtype(loss_dtype(logits)));
+  Tensor loss = at::empty({rows}, logits.options().dtype(compute_dtype(logits.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "te_lab::cross_entropy.cpp", [&] {
     using Acc = at::opmath_type<scalar_t>;
     forward_rows<scalar_t, Acc>(logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
@@ -149,7 +147,7 @@ Tensor cross_entropy_over_logits(Tensor& logits, const Tensor& labels, int64_t i
 Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in) {
   const Tensor grad = grad_in.contiguous();
   const int64_t rows = grad.dim() == 2 ? grad.size(0) : 0, vocab = grad.dim() == 2 ? grad.size(1) : 0;
-  const Tensor dloss = dloss_in.to(loss_dtype(grad)).contiguous();
+  const Tensor dloss = dloss_in.to(compute_dtype(grad.scalar_type())).contiguous();
   TORCH_CHECK_VALUE(dloss.numel() == rows, "cross_entropy_backward: dloss has ", dloss.numel(), " elements; expected ",
                     rows);
   Tensor out = at::empty_like(grad);

@@ -14,6 +14,8 @@
 #include <optional>
 #include <tuple>
 
+#include "rows.h"
+
 namespace te_lab_cpu {
 namespace {
 
@@ -21,12 +23,8 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-bool given(const std::optional<Tensor>& t) { return t.has_value() && t->defined(); }
-
 // ATen keeps mean and rstd in the input dtype for half-precision inputs without float32
-// parameters: the math runs in float32 (float64 for float64).
-at::ScalarType compute_dtype(const Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
+// parameters: inputs and parameters go to the compute dtype (rows.h) first.
 std::optional<Tensor> in_dtype(const std::optional<Tensor>& t, at::ScalarType dtype) {
   return given(t) ? std::optional<Tensor>(t->to(dtype)) : std::nullopt;
 }
@@ -36,7 +34,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, c
                                                               const std::optional<Tensor>& weight,
                                                               const std::optional<Tensor>& bias, double eps) {
   const Tensor h = given(residual) ? at::add(x, *residual) : x;
-  const auto acc = compute_dtype(h);
+  const auto acc = compute_dtype(h.scalar_type());
   const int64_t n = h.dim() == 0 ? 1 : h.size(-1);
   auto [y, mean, rstd] = at::native_layer_norm(h.to(acc), {n}, in_dtype(weight, acc), in_dtype(bias, acc), eps);
   return {y.to(x.scalar_type()), given(residual) ? h : at::empty({0}, x.options()), mean.view({-1}),

@@ -28,8 +28,6 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::ScalarType compute_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
-
 // weight + offset in the compute type, or ones without a weight: the scale the math applies.
 template <typename Acc>
 std::vector<Acc> row_scale(const std::optional<Tensor>& weight, int64_t n, double offset) {
@@ -167,7 +165,7 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy_in, const std::opt
   const int64_t n = h.dim() == 0 ? 1 : h.size(-1);
   const int64_t rows = n == 0 ? 0 : h.numel() / n;
   need_dw = need_dw && weight.has_value() && weight->defined();
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / rows_per_task(n)));
+  const int64_t tasks = partial_sum_tasks(rows, n);
   Tensor dx = at::empty_like(h);
   Tensor partial = need_dw ? at::zeros({tasks, n}, h.options().dtype(compute_dtype(h.scalar_type()))) : Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, h.scalar_type(), "te_lab::rms_norm_backward.cpp", [&] {

@@ -7,12 +7,14 @@
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace te_lab_cpu {
@@ -24,6 +26,18 @@ using Vec = at::vec::Vectorized<Acc>;
 
 // Rows per parallel task: about 16K elements, so that small inputs stay on one thread.
 inline int64_t rows_per_task(int64_t n_cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n_cols, 1)); }
+
+// Tasks of a backward that sums its rows into one partial row per task (a weight's or a
+// bias's gradient): one per thread at most, each of at least rows_per_task rows.
+inline int64_t partial_sum_tasks(int64_t rows, int64_t n_cols) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / rows_per_task(n_cols)));
+}
+
+// Whether an optional tensor argument was given.
+inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The dtype the math runs in: float64 for float64 inputs, else float32.
+inline at::ScalarType compute_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 // count elements of src in the compute type: src itself where T is it, else converted
 // into buffer.
