@@ -277,7 +277,21 @@ class _Triton:
         return _launch_triton(dq, dk, cos, sin, interleaved, layout, transpose=True)
 
 
-_IMPLEMENTATIONS = {"inductor": _Inductor}
+class _Cpp:
+    """te_lab's C++ kernels (kernels/cpp/rope.cpp): q and k rotated in one call, any
+    strides. An eager call reaches them through the op's C++ overload, autograd and all
+    (custom_ops); these run them for the dispatched path."""
+
+    @staticmethod
+    def forward(q, k, cos, sin, interleaved, layout):
+        return torch.ops.te_lab.rope.cpp(q, k, cos, sin, interleaved, layout)
+
+    @staticmethod
+    def backward(dq, dk, cos, sin, interleaved, layout):
+        return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout)
+
+
+_IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
@@ -285,7 +299,7 @@ ROPE = register_op(FusedOp(
     name=NAME,
     reference=apply_rotary_reference,
     implementations=_IMPLEMENTATIONS,
-    cpu_preference="inductor",
+    cpu_preference="cpp",
     costs=COSTS,
 ))
 
@@ -436,7 +450,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
 
     cos and sin are treated as constants: the fused backends give them no gradient
     (they are functions of the positions, not trained). ``backend`` forces
-    ``"triton"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    ``"triton"``, ``"cpp"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     _check_inputs(q, k, cos, sin, interleaved, layout)
     chosen = select_backend(ROPE, q.device, backend)

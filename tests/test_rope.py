@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import DEVICE, DTYPES, assert_close, backend_params, fused_backends, grads_of, interpreted, leaf
+from conftest import DEVICE, DTYPES, assert_close, backend_params, grads_of, interpreted, leaf
 from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
 
 BACKENDS = backend_params(ROPE)
@@ -218,18 +218,20 @@ def test_many_heads_are_rotated_in_blocks(backend):
         assert_close(g, w)
 
 
-def test_profiler_sees_the_fused_op_and_its_backward():
-    backend = fused_backends(ROPE)[0]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_profiler_sees_the_fused_op_and_its_backward_once_each(backend):
     q, k, cos, sin = _simple_inputs()
     with torch.profiler.profile() as prof:
         q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
         (q_out.sum() + k_out.sum()).backward()
-    names = {event.name for event in prof.events()}
-    assert {"te_lab::rope", "te_lab::rope_backward"} <= names
+    names = [event.name for event in prof.events()]
+    assert names.count("te_lab::rope") == 1 and names.count("te_lab::rope_backward") == 1
+    if backend == "cpp":  # an eager call crosses into C++ once; its backward runs there
+        assert "RopeFunction" in q_out.grad_fn.name()
 
 
-def test_unused_k_output_still_gives_gradients():
-    backend = fused_backends(ROPE)[0]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unused_k_output_still_gives_gradients(backend):
     q, k, cos, sin = _simple_inputs()
     q_out, _ = apply_rotary(q, k, cos, sin, backend=backend)
     q_out.sum().backward()
@@ -239,8 +241,8 @@ def test_unused_k_output_still_gives_gradients():
     assert torch.count_nonzero(k.grad) == 0
 
 
-def test_cos_and_sin_are_constants():
-    backend = fused_backends(ROPE)[0]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cos_and_sin_are_constants(backend):
     q, k, cos, sin = _simple_inputs()
     cos, sin = leaf(cos), leaf(sin)
     q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
@@ -249,8 +251,8 @@ def test_cos_and_sin_are_constants():
     assert q.grad is not None and k.grad is not None
 
 
-def test_empty_batch_gives_empty_outputs():
-    backend = fused_backends(ROPE)[0]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_gives_empty_outputs(backend):
     q, k, cos, sin = _simple_inputs()
     q_out, k_out = apply_rotary(q[:0], k[:0], cos, sin, backend=backend)
     assert q_out.shape == (0, *q.shape[1:]) and k_out.shape == (0, *k.shape[1:])
