@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "activations.h"
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -126,10 +127,7 @@ std::tuple<Tensor, Tensor> bias_act_backward(const Tensor& dy_in, const Tensor& 
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& bias,
                                          c10::string_view activation, bool need_dbias) {
-  // Through the dispatcher, so that profiles record te_lab::bias_act_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::bias_act_backward", "cpp")
-                       .typed<decltype(bias_act_backward)>();
+  static const auto op = cpp_overload<decltype(bias_act_backward)>("te_lab::bias_act_backward");
   return op.call(dy, x, bias, activation, need_dbias);
 }
 

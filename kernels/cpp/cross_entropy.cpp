@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -178,10 +179,7 @@ Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in) {
 }
 
 Tensor call_backward(const Tensor& grad, const Tensor& dloss) {
-  // Through the dispatcher, so that profiles record te_lab::cross_entropy_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::cross_entropy_backward", "cpp")
-                       .typed<decltype(cross_entropy_backward)>();
+  static const auto op = cpp_overload<decltype(cross_entropy_backward)>("te_lab::cross_entropy_backward");
   return op.call(grad, dloss);
 }
 

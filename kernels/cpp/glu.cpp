@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "activations.h"
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -135,10 +136,7 @@ std::tuple<Tensor, Tensor> glu_backward(const Tensor& dy_in, const Tensor& gate_
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const Tensor& gate, const std::optional<Tensor>& up,
                                          c10::string_view activation) {
-  // Through the dispatcher, so that profiles record te_lab::glu_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::glu_backward", "cpp")
-                       .typed<decltype(glu_backward)>();
+  static const auto op = cpp_overload<decltype(glu_backward)>("te_lab::glu_backward");
   return op.call(dy, gate, up, activation);
 }
 

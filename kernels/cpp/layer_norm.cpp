@@ -14,6 +14,7 @@
 #include <optional>
 #include <tuple>
 
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -62,10 +63,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const s
 std::tuple<Tensor, Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<Tensor>& dh, const Tensor& h,
                                                  const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
                                                  const Tensor& mean, const Tensor& rstd, bool need_dw, bool need_db) {
-  // Through the dispatcher, so that profiles record te_lab::layer_norm_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::layer_norm_backward", "cpp")
-                       .typed<decltype(layer_norm_backward)>();
+  static const auto op = cpp_overload<decltype(layer_norm_backward)>("te_lab::layer_norm_backward");
   return op.call(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db);
 }
 

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -184,10 +185,7 @@ std::tuple<Tensor, Tensor> rms_norm_backward(const Tensor& dy_in, const std::opt
 std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<Tensor>& dh, const Tensor& h,
                                          const std::optional<Tensor>& weight, const Tensor& rstd, double offset,
                                          bool need_dw) {
-  // Through the dispatcher, so that profiles record te_lab::rms_norm_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::rms_norm_backward", "cpp")
-                       .typed<decltype(rms_norm_backward)>();
+  static const auto op = cpp_overload<decltype(rms_norm_backward)>("te_lab::rms_norm_backward");
   return op.call(dy, dh, h, weight, rstd, offset, need_dw);
 }
 

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dispatched.h"
 #include "rows.h"
 
 namespace te_lab_cpu {
@@ -171,10 +172,7 @@ std::tuple<Tensor, Tensor> rope_backward(const Tensor& dq, const Tensor& dk, con
 
 std::tuple<Tensor, Tensor> call_backward(const Tensor& dq, const Tensor& dk, const Tensor& cos, const Tensor& sin,
                                          bool interleaved, c10::string_view layout) {
-  // Through the dispatcher, so that profiles record te_lab::rope_backward.
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("te_lab::rope_backward", "cpp")
-                       .typed<decltype(rope_backward)>();
+  static const auto op = cpp_overload<decltype(rope_backward)>("te_lab::rope_backward");
   return op.call(dq, dk, cos, sin, interleaved, layout);
 }
 
