@@ -32,6 +32,7 @@ from te_lab.cache import cache_directory
 NAME = "te_lab_cpu_kernels"
 ENV_VAR = "TE_LAB_CPP"
 SOURCES = tuple(sorted((Path(__file__).parent / "cpp").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).parent / "cpp").glob("*.h")))
 _BUILT = "built"  # written once the library is complete: another process may be mid-build
 
 _reasons: dict[str, Optional[str]] = {}
@@ -57,7 +58,7 @@ def compiler_flags() -> list[str]:
 
 def build_directory() -> Path:
     digest = hashlib.sha1()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:  # a header's change rebuilds too
         digest.update(source.name.encode() + source.read_bytes())
     digest.update(" ".join([torch.__version__, str(torch.version.git_version), platform.machine(),
                             *compiler_flags()]).encode())
