@@ -32,8 +32,8 @@ def recording_op_calls(calls: list):
 
 
 def automatic_backend(case: OpCase, device: torch.device) -> Optional[str]:
-    """For an op whose automatic CPU choice is measured per size class (rms_norm, glu,
-    layer_norm, bias_act, linear), the backend that choice runs for the case's inputs: the backend
+    """For an op whose automatic CPU choice is measured per size class (every op that
+    names ``cpu_measured`` backends), the backend that choice runs for the case's inputs: the backend
     argument of the te_lab op its forward calls (reference when it calls none). None
     elsewhere: the registry's choice does not depend on the inputs."""
     if devices.is_gpu(device) or not registered_ops()[case.op].cpu_measured:

@@ -39,8 +39,9 @@ from .checks import check_choice, check_label_tensor, check_labels_in_range, che
 from .compiled import inductor_compiled
 from .costs.cross_entropy import COSTS
 from .custom_ops import custom_op
+from .measured_choice import size_class
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_backend
+from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 NAME = "cross_entropy"
@@ -230,11 +231,40 @@ IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     IMPLEMENTATIONS["triton"] = _Triton
 
+# Logits elements a CPU backend's measuring sample holds at most (16 MB in float32): a
+# sample of more rows only repeats the same rows' work.
+SAMPLE_ELEMENTS = 1 << 22
+
+
+def measured_rows(rows: int, vocab: int) -> int:
+    """The rows a measured CPU choice over ``rows`` x ``vocab`` logits samples and is
+    decided for: ``rows``, up to SAMPLE_ELEMENTS in all."""
+    return max(min(rows, SAMPLE_ELEMENTS // size_class(vocab)), 1)
+
+
+def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int):
+    """One training call (forward and backward, through the public op) per CPU backend
+    over ``rows`` x ``vocab`` logits, on constant inputs (the caller's RNG is left alone)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        logits = torch.linspace(-4, 4, rows * vocab, dtype=dtype).view(rows, vocab).requires_grad_()
+        labels = torch.arange(rows) % vocab
+
+    def sample(backend):
+        def run():
+            with torch.inference_mode(False), torch.enable_grad():
+                torch.autograd.grad(cross_entropy(logits, labels, backend=backend), (logits,))
+        return run
+
+    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+
+
 CROSS_ENTROPY = register_op(FusedOp(
     name=NAME,
     reference=cross_entropy_reference,
     implementations=IMPLEMENTATIONS,
     cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor"),
+    cpu_samples=_cpu_samples,
     costs=COSTS,
 ))
 
@@ -324,7 +354,9 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(f"{NAME}: logits has shape {tuple(logits.shape)}; expected a vocabulary of at least 1")
-    chosen = select_backend(CROSS_ENTROPY, logits.device, backend)
+    rows = logits.numel() // vocab
+    chosen = select_measured_backend(CROSS_ENTROPY, logits.device, backend, logits.dtype,
+                                     (measured_rows(rows, vocab), vocab))
     if chosen == "reference":
         if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
             check_labels_in_range(NAME, labels, vocab, ignore_index)

@@ -39,11 +39,12 @@ from .cross_entropy import (
     check_loss_options,
     cross_entropy_reference,
     mean_over_labelled,
+    measured_rows,
 )
 from .custom_ops import custom_op
 from .linear import matmul_nt, runs_on_onednn
 from .precision import compute_dtype
-from .registry import FusedOp, register_op, select_backend
+from .registry import FusedOp, register_op, select_measured_backend
 
 NAME = "fused_linear_cross_entropy"
 
@@ -135,16 +136,37 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     return losses, grad_hidden, grad_weight, grad_bias
 
 
+def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int):
+    """Per CPU backend, one chunk's row kernels as a training step runs them: loss and
+    gradient of ``rows`` x ``vocab`` scratch logits (refilled first, since a backend may
+    write the gradient over them), on constant inputs (the caller's RNG is left alone).
+    The chunk's matmuls cost the same on every backend and are left out."""
+    filled = torch.linspace(-4, 4, rows * vocab, dtype=dtype).view(rows, vocab)
+    logits = torch.empty_like(filled)
+    labels = torch.arange(rows) % vocab
+
+    def sample(backend):
+        def run():
+            logits.copy_(filled)
+            CHUNK_IMPLEMENTATIONS[backend].forward(logits, labels, -100, 0.0, 0.0, True, True)
+        return run
+
+    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+
+
 FUSED_LINEAR_CROSS_ENTROPY = register_op(FusedOp(
     name=NAME,
     reference=fused_linear_cross_entropy_reference,
     implementations=dict(CHUNK_IMPLEMENTATIONS),
-    # The matmuls are most of the time. Measured on the 2-core CPU (fp32, forward and
-    # backward): chunks through the C++ row kernel, which writes the gradient over the
-    # chunk's logits, took 66 ms at 1024 tokens x 256 hidden x 8000 vocab against Inductor's
-    # 78 ms and the unfused path's 100 ms; 0.97 s at 4096 x 256 x 32000 (Inductor 0.99 s,
+    # The matmuls are most of the time; the chunks' row kernels are chosen by measuring
+    # them at the chunk's size. Measured on the 2-core CPU (fp32, forward and backward):
+    # chunks through the C++ row kernel, which writes the gradient over the chunk's
+    # logits, took 66 ms at 1024 tokens x 256 hidden x 8000 vocab against Inductor's 78 ms
+    # and the unfused path's 100 ms; 0.97 s at 4096 x 256 x 32000 (Inductor 0.99 s,
     # unfused 2.7 s).
     cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor"),
+    cpu_samples=_cpu_samples,
     costs=COSTS,
 ))
 
@@ -328,7 +350,10 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size < 1):
         raise ValueError(f"{NAME}: chunk_size must be a positive int or None, got {chunk_size!r}")
-    chosen = select_backend(FUSED_LINEAR_CROSS_ENTROPY, hidden.device, backend)
+    tokens = hidden.shape[:-1].numel()
+    chunk = min(chunk_size, max(tokens, 1)) if chunk_size else default_chunk_size(tokens, vocab, hidden.element_size())
+    chosen = select_measured_backend(FUSED_LINEAR_CROSS_ENTROPY, hidden.device, backend, hidden.dtype,
+                                     (measured_rows(chunk, vocab), vocab))
     if chosen == "reference":
         if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
             check_labels_in_range(NAME, labels, vocab, ignore_index)
@@ -337,8 +362,6 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
                                                     z_loss=z_loss)
     flat_hidden = hidden.reshape(-1, in_features)
     flat_labels = labels.reshape(-1).long()
-    tokens = flat_hidden.shape[0]
-    chunk = min(chunk_size, max(tokens, 1)) if chunk_size else default_chunk_size(tokens, vocab, hidden.element_size())
     grad_enabled = torch.is_grad_enabled()
     summed = reduction != "none"
     loss, _, _, _ = _fused_linear_cross_entropy_op(

@@ -40,7 +40,7 @@ from .compiled import inductor_compiled
 from .costs.rope import COSTS
 from .custom_ops import custom_op
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_backend
+from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 NAME = "rope"
@@ -291,6 +291,28 @@ class _Cpp:
         return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout)
 
 
+def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool):
+    """One training call (forward and backward, through the public op) per CPU backend
+    rotating ``rows`` rows of ``head_dim``, half of them q's and half k's (one batch, one
+    head, the full head rotated), on constant inputs (the caller's RNG is left alone)."""
+    rows = max(rows // 2, 1)
+    with torch.inference_mode(False), torch.enable_grad():
+        q = torch.linspace(-1, 1, rows * head_dim, dtype=dtype).view(1, 1, rows, head_dim).requires_grad_()
+        k = torch.linspace(1, -1, rows * head_dim, dtype=dtype).view(1, 1, rows, head_dim).requires_grad_()
+        angles = torch.linspace(0, 3, rows * head_dim, dtype=dtype).view(rows, head_dim)
+        cos, sin = angles.cos(), angles.sin()
+        dq = torch.full(q.shape, 0.01, dtype=dtype)
+
+    def sample(backend):
+        def run():
+            with torch.inference_mode(False), torch.enable_grad():
+                q_out, k_out = apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
+                torch.autograd.grad((q_out, k_out), (q, k), (dq, dq))
+        return run
+
+    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+
+
 _IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
@@ -300,6 +322,8 @@ ROPE = register_op(FusedOp(
     reference=apply_rotary_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor"),
+    cpu_samples=_cpu_samples,
     costs=COSTS,
 ))
 
@@ -453,7 +477,9 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
     ``"triton"``, ``"cpp"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     _check_inputs(q, k, cos, sin, interleaved, layout)
-    chosen = select_backend(ROPE, q.device, backend)
+    # Rows of q and k rotated: what the backends' costs scale with.
+    rows = (q.numel() + k.numel()) // max(q.shape[-1], 1)
+    chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]), (interleaved,))
     if chosen == "reference":
         return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
     return _rope_op(q, k, cos, sin, interleaved, layout, chosen)

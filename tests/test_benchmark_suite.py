@@ -249,5 +249,5 @@ def test_the_automatic_contender_is_the_backend_the_measured_choice_runs(tmp_pat
     functions = per_op.case_functions(case, cpu)
     assert [name for name, (_, info) in functions.items() if info.auto] == [f"te_lab[{automatic}]"]
     # Ops whose choice does not depend on the inputs keep the registry's answer.
-    rope_case = cases.op_cases("rope", cpu, torch.float32, cases.Size(64, 512))[0]
-    assert per_op.automatic_backend(rope_case, cpu) is None
+    attention_case = cases.op_cases("attention", cpu, torch.float32, cases.Size(64, 512))[0]
+    assert per_op.automatic_backend(attention_case, cpu) is None

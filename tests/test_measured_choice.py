@@ -105,6 +105,16 @@ def test_reports_say_that_the_routing_is_measured_unless_forced():
     pytest.param("rms_norm", lambda module, x: module.rms_norm(x, torch.ones(64)), "('float32', 64, 64)",
                  id="rms_norm"),
     pytest.param("glu", lambda module, x: module.glu(x, x, "gelu"), "('float32', 64, 64, 'gelu')", id="glu"),
+    # q and k of 60 rows each: 120 rows rotated, the class of 128
+    pytest.param("rope", lambda module, x: module.apply_rotary(x[None], x[None], torch.ones(x.shape[-2], 64),
+                                                               torch.zeros(x.shape[-2], 64)),
+                 "('float32', 128, 64, False)", id="rope"),
+    pytest.param("cross_entropy",
+                 lambda module, x: module.cross_entropy(x, torch.zeros(x.shape[:-1], dtype=torch.long)),
+                 "('float32', 64, 64)", id="cross_entropy"),
+    # 60 tokens in one chunk over a vocabulary of 32
+    pytest.param("fused_linear_cross_entropy", lambda module, x: module.fused_linear_cross_entropy(
+        x, torch.ones(32, 64), torch.zeros(x.shape[:-1], dtype=torch.long)), "('float32', 64, 32)", id="flce"),
 ])
 def test_the_automatic_cpu_backend_is_the_measured_fastest_one(fresh_cache, monkeypatch, op_name, call, sizes):
     module = importlib.import_module(f"te_lab.kernels.{op_name}")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, DTYPES, assert_close, backend_params, grads_of, interpreted, leaf
+from te_lab.kernels import cpu_kernels
 from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
 
 BACKENDS = backend_params(ROPE)
@@ -171,6 +172,10 @@ def test_gradcheck_float64(backend, interleaved):
     def fn(q, k):
         return apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
 
+    # the values too, in float64's precision: gradcheck checks the backward against the
+    # backend's own forward
+    for got, want in zip(fn(q, k), apply_rotary_reference(q, k, cos, sin, interleaved=interleaved)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(fn, (q, k), fast_mode=interpreted(backend))
 
 
@@ -296,3 +301,12 @@ def test_bad_input_names_the_argument(kwargs, error, words):
         apply_rotary(**kwargs)
     for word in words:
         assert word in str(raised.value)
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="te_lab's C++ kernels are not built")
+def test_the_cpp_op_refuses_tables_off_the_cpu():
+    """A direct call of the C++ overload (the public op checks devices before it) names
+    the devices it got instead of reading another device's memory."""
+    q, k, cos, sin = torch.ones(1, 2, 5, 8), torch.ones(1, 1, 5, 8), torch.ones(5, 8), torch.zeros(5, 8)
+    with pytest.raises(ValueError, match="rope: q, k, cos and sin must be on the CPU, got cpu, cpu, meta and meta"):
+        torch.ops.te_lab.rope.cpp(q, k, cos.to("meta"), sin.to("meta"), False, "bhsd")

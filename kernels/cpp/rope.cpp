@@ -26,11 +26,14 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// cos and sin in the compute type, [table_batch, seq, rotary_dim] contiguous; for the
-// backward the sin table is transposed (each pair's entries swapped and negated).
+// cos and sin in the compute type, [table_batch, seq, rotary_dim] contiguous (the
+// caller's tensors where they already are); for the backward the sin table is a
+// transposed copy (each pair's entries swapped and negated).
 template <typename Acc>
 struct Tables {
-  std::vector<Acc> cos, sin;
+  Tensor cos_table, sin_table;
+  const Acc* cos;
+  const Acc* sin;
   int64_t batch, seq, rotary_dim;
 };
 
@@ -41,18 +44,20 @@ Tables<Acc> tables_of(const Tensor& cos_in, const Tensor& sin_in, bool interleav
   TORCH_CHECK_VALUE(sin_in.sizes() == cos_in.sizes(), "rope: sin has shape ", sin_in.sizes(), "; expected ",
                     cos_in.sizes(), " like cos");
   const auto acc = c10::CppTypeToScalarType<Acc>::value;
-  const Tensor cos = cos_in.to(acc).contiguous(), sin = sin_in.to(acc).contiguous();
   Tables<Acc> t;
-  t.batch = cos.dim() == 3 ? cos.size(0) : 1;
-  t.seq = cos.size(-2);
-  t.rotary_dim = cos.size(-1);
+  t.cos_table = cos_in.to(acc, false, false, at::MemoryFormat::Contiguous);
+  t.sin_table = sin_in.to(acc, false, /*copy=*/transposed, at::MemoryFormat::Contiguous);
+  t.batch = cos_in.dim() == 3 ? cos_in.size(0) : 1;
+  t.seq = cos_in.size(-2);
+  t.rotary_dim = cos_in.size(-1);
   TORCH_CHECK_VALUE(t.rotary_dim % 2 == 0, "rope: rotary_dim (cos's last dim) must be even, got ", t.rotary_dim);
-  t.cos.assign(cos.const_data_ptr<Acc>(), cos.const_data_ptr<Acc>() + cos.numel());
-  t.sin.assign(sin.const_data_ptr<Acc>(), sin.const_data_ptr<Acc>() + sin.numel());
+  t.cos = t.cos_table.template const_data_ptr<Acc>();
+  t.sin = t.sin_table.template const_data_ptr<Acc>();
   if (transposed) {
     const int64_t half = t.rotary_dim / 2;
+    Acc* sin = t.sin_table.template mutable_data_ptr<Acc>();
     for (int64_t row = 0; row < t.batch * t.seq; ++row) {
-      Acc* s = t.sin.data() + row * t.rotary_dim;
+      Acc* s = sin + row * t.rotary_dim;
       for (int64_t i = 0; i < half; ++i) {
         const int64_t first = interleaved ? 2 * i : i, second = interleaved ? 2 * i + 1 : i + half;
         const Acc a = s[first];
@@ -98,8 +103,8 @@ void rotate_rows(const T* x, const Rows& in, T* out, const Rows& to, const Table
       const T* xr = x + in.offset(row);
       T* outr = out + to.offset(row);
       const int64_t table_row = ((t.batch == 1 ? 0 : in.batch_of(row)) * t.seq + in.seq_of(row)) * rotary;
-      const Acc* c = t.cos.data() + table_row;
-      const Acc* s = t.sin.data() + table_row;
+      const Acc* c = t.cos + table_row;
+      const Acc* s = t.sin + table_row;
       if (interleaved) {  // pairs (2i, 2i + 1): strided lanes, a scalar loop
         for (int64_t i = 0; i < rotary; i += 2) {
           const Acc a = static_cast<Acc>(xr[i]), b = static_cast<Acc>(xr[i + 1]);
@@ -141,6 +146,9 @@ std::tuple<Tensor, Tensor> rotate(const Tensor& q_in, const Tensor& k_in, const 
   TORCH_CHECK_VALUE(q_in.dim() == 4 && k_in.dim() == 4, "rope: q and k must have 4 dims, got ", q_in.sizes(), " and ",
                     k_in.sizes());
   TORCH_CHECK_VALUE(q_in.scalar_type() == k_in.scalar_type(), "rope: k must have q's dtype");
+  TORCH_CHECK_VALUE(q_in.is_cpu() && k_in.is_cpu() && cos.is_cpu() && sin.is_cpu(),
+                    "rope: q, k, cos and sin must be on the CPU, got ", q_in.device(), ", ", k_in.device(), ", ",
+                    cos.device(), " and ", sin.device());
   // Rows are walked in memory order: in the other layout's dims where q and k follow it.
   const bool other = follows_other_layout(q_in, k_in);
   const bool seq_is_d2 = (layout == "bhsd") != other;
