@@ -1,6 +1,6 @@
 """The dashboard as a user sees it: a real JupyterLab on 127.0.0.1, driven by Chromium
-through Playwright. A notebook fuses and profiles the tiny demo Llama and shows the
-dashboard; the test runs all cells and reads the DOM: the widget rendered, the plotly
+through Playwright. A notebook fuses and profiles the demo's Llama at the demo's batch
+and shows the dashboard; the test runs all cells and reads the DOM: the widget rendered, the plotly
 charts have their SVG and the expected bars, the group-by control redraws the bars,
 clicking a bar fills the details panel, no cell shows an error. The static HTML export
 then opens in the same browser with the network blocked and must draw its charts.
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from servers import free_port, serving
+from te_lab.cache import cache_directory
+from te_lab.cli.demo import DEFAULT_BATCH, DEFAULT_MODEL, DEFAULT_SEQ
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("jupyterlab")
@@ -33,9 +35,12 @@ if not Path(CHROMIUM).exists():
 
 pytestmark = pytest.mark.browser
 
+# The demo's model and batch (``te-lab demo``, ``make demo``): README's screenshot is this
+# test's, and its caption quotes the cards of a run at this size.
 NOTEBOOK_CELLS = [
     "import te_lab\nfrom te_lab import models",
-    "model = models.llama('tiny', seed=0)\nbatch = model.example_batch(2, 16)\n"
+    f"model = models.build_model({DEFAULT_MODEL!r}, seed=0)\n"
+    f"batch = model.example_batch({DEFAULT_BATCH}, {DEFAULT_SEQ})\n"
     "fusion = te_lab.fuse(model, sample=batch, progress=False)\nlen(fusion.fused)",
     "report = te_lab.profile(model, batch, steps=2, warmup=1)\nprint('kinds', len(report.kinds), "
     "'modules', len(report.modules))",
@@ -65,7 +70,10 @@ def jupyterlab(tmp_path_factory):
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
     write_notebook(root / "dashboard.ipynb")
     port = free_port()
-    environment = {**os.environ, "HOME": str(home), "JUPYTER_CONFIG_DIR": str(config),
+    # The kernel keeps this process's te_lab cache (C++ kernels built, choices measured), as
+    # a user's notebook has its own, so no cell shows a build's messages.
+    environment = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(cache_directory().parent),
+                   "JUPYTER_CONFIG_DIR": str(config),
                    "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "IPYTHONDIR": str(home / "ipython")}
     command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={port}", "--ServerApp.port_retries=0", "--IdentityProvider.token=",

@@ -225,6 +225,10 @@ def test_every_figure_builds_from_a_real_report(tiny_llama_report):
             figures.gains_figure(report, group_by, phase)
     gains = figures.gains_figure(report)
     assert len(gains.data[0].x) == len(gains.data[1].x) == len(report.kinds)
+    # the bars are what the axis says: each mode's kinds add up to its unprofiled step
+    assert gains.layout.yaxis.title.text == figures.GAINS_AXIS
+    for bars, mode in zip(gains.data, ("eager", "fused")):
+        assert sum(bars.y) == pytest.approx(report.modes[mode].step_median_ms, rel=0.01)
     timeline = figures.timeline_figure(report)
     assert sum(len(trace.x) for trace in timeline.data) == len(report.timeline)
     figures.roofline_figure(report)
