@@ -82,7 +82,7 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
         const int64_t count = std::min(BLOCK, vocab - start);
         const Acc* values = load_block(x + start, a, count);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          const V e = (V::loadu(values + j, c) - V(row_max)).exp();
+          const V e = exp_of<Acc>(V::loadu(values + j, c) - V(row_max));
           e.store(exps.data() + start + j, c);
           exp_sums = exp_sums + (c == V::size() ? e : V::set(V(Acc(0)), e, c));
         });

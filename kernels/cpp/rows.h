@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 namespace te_lab_cpu {
 
@@ -77,6 +78,25 @@ inline void for_each_vector(int64_t count, const F& f) {
   int64_t j = 0;
   for (; j + step <= count; j += step) f(j, step);
   if (j < count) f(j, count - j);
+}
+
+// Whether V has exp_u20, ATen's inline exponential within 20 ULP (newer torch versions).
+template <typename V, typename = void>
+struct has_exp_u20 : std::false_type {};
+template <typename V>
+struct has_exp_u20<V, std::void_t<decltype(std::declval<const V&>().exp_u20())>> : std::true_type {};
+
+// exp in the kernels' inner loops. In float32 ATen's inline exponential: Vectorized::exp is a
+// call into Sleef per vector, which on the AVX-512 CPU made an erf-based GELU 1.4x slower
+// than with the inline one; its 20 ULP (1.2e-6 relative) are below float32 kernels'
+// tolerances. float64 keeps the accurate one (gradcheck runs in it).
+template <typename Acc>
+Vec<Acc> exp_of(const Vec<Acc>& x) {
+  if constexpr (std::is_same_v<Acc, float> && has_exp_u20<Vec<Acc>>::value) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
 }
 
 template <typename Acc>
