@@ -59,12 +59,17 @@ def _compile_loses(record: dict) -> bool:
 
 
 def _memory_checks(records: list[dict], fraction: float) -> list[tuple[str, bool, str]]:
+    """The LM head's peak memory against eager's where the logits dominate eager's peak
+    (the issue's condition): where the [tokens, vocab] logits are at least the size of
+    the [vocab, hidden] weight, i.e. tokens >= hidden. Elsewhere the weight's gradient,
+    which both must hold, is most of the peak."""
     checks = []
     for record in records:
         auto = _auto(record)
         eager = next((c for c in record["contenders"] if c["name"] == "eager"), None)
+        size = record["size"]
         if record["case"] == "fused_linear_cross_entropy" and record["mode"] == "forward+backward" and auto \
-                and eager and eager["peak_memory_bytes"]:
+                and eager and eager["peak_memory_bytes"] and size["tokens"] >= size["hidden"]:
             share = auto["peak_memory_bytes"] / eager["peak_memory_bytes"]
             checks.append((_where(record), share <= fraction,
                            f"{auto['peak_memory_bytes'] / 2**20:.1f} MiB = {100 * share:.0f}% of eager's "
@@ -116,7 +121,8 @@ def evaluate(results: dict) -> list[dict]:
          lambda: _op_ratio_checks(large, "torch.compile", 0.95)),
         ("every op (CPU, float32): ahead of torch.compile where torch.compile loses to eager (as on add + LayerNorm)",
          lambda: _op_ratio_checks(ops, "torch.compile", 1.0, include=_compile_loses)),
-        ("fused linear cross-entropy (CPU, float32): peak memory <= 35% of eager", lambda: _memory_checks(ops, 0.35)),
+        ("fused linear cross-entropy (CPU, float32): peak memory <= 35% of eager where the logits dominate "
+         "(tokens >= hidden)", lambda: _memory_checks(ops, 0.35)),
         ("training step with fusion alone (te_lab::linear's routing off, CPU): at least 1.1x eager",
          lambda: _model_checks(models, None, "eager", 1.1, contender="te_lab (fusion only)")),
         ("training step with routing on (CPU, reported beside it): at least 1.1x eager",
