@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_lab.kernels.attention import attention
-from te_lab.kernels.bias_act import linear_act
+from te_lab.kernels.bias_act import bias_act, linear_act
 from te_lab.kernels.costs import OpCost, TensorSpec
 from te_lab.kernels.cross_entropy import cross_entropy
 from te_lab.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -150,6 +150,10 @@ def linear_gelu(x, weight, bias):
     return F.gelu(F.linear(x, weight, bias))
 
 
+def bias_gelu(x, bias):
+    return F.gelu(x + bias)
+
+
 def silu_gate(gate, up):
     return F.silu(gate) * up
 
@@ -244,6 +248,18 @@ def bias_act_case(device, dtype, size: Size) -> OpCase:
         fused=lambda x, weight, bias, backend: linear_act(x, weight, bias, "gelu", backend=backend))
 
 
+def bias_act_alone_case(device, dtype, size: Size) -> OpCase:
+    """bias + GELU on pre-activations of the case's size, without linear_act's GEMM: what
+    the dispatch benchmark times, since the GEMM is not a te_lab op (its kernels-alone
+    replay would leave it out and count it as the op's overhead)."""
+    t, h = size.tokens, size.hidden
+    x, bias = _act((t, h), device, dtype), _param(h, device, dtype)
+    return OpCase(
+        "bias_act", "bias_act", f"bias + GELU {t}x{h}", (x, bias),
+        baseline=bias_gelu,
+        fused=lambda x, bias, backend: bias_act(x, bias, "gelu", backend=backend))
+
+
 def glu_case(activation: str) -> Callable:
     baseline, title, liger_name = {"silu": (silu_gate, "SwiGLU", "liger_swiglu"),
                                    "gelu_tanh": (gelu_gate, "GeGLU", "liger_geglu")}[activation]
@@ -333,12 +349,19 @@ OP_CASES: dict[str, tuple[Callable, ...]] = {
 OPTIMIZER_OPS = ("adamw",)
 
 
-def op_cases(op: str, device: torch.device, dtype: torch.dtype, size: Size) -> list[OpCase]:
-    """The cases of ``op`` at ``size``, inputs drawn from seed 0."""
+# The dispatch benchmark's cases where they differ from OP_CASES' (te_lab ops alone).
+DISPATCH_CASES: dict[str, tuple[Callable, ...]] = {"bias_act": (bias_act_alone_case,)}
+
+
+def op_cases(op: str, device: torch.device, dtype: torch.dtype, size: Size, *,
+             dispatch: bool = False) -> list[OpCase]:
+    """The cases of ``op`` at ``size``, inputs drawn from seed 0; with ``dispatch``, the
+    dispatch benchmark's (DISPATCH_CASES where the op has them)."""
     if op not in OP_CASES:
         raise ValueError(f"op_cases(op={op!r}): no benchmark case; expected one of {', '.join(OP_CASES)}")
     torch.manual_seed(0)
-    return [build(device, dtype, size) for build in OP_CASES[op]]
+    builds = DISPATCH_CASES.get(op, OP_CASES[op]) if dispatch else OP_CASES[op]
+    return [build(device, dtype, size) for build in builds]
 
 
 def transformer_parameter_shapes(hidden: int, layers: int, vocab: int, mlp: int) -> list[tuple]:

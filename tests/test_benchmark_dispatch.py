@@ -28,6 +28,22 @@ def test_recorded_kernels_replay_the_ops_forward_and_backward_with_their_own_arg
     torch.testing.assert_close(replayed, rms_norm(x.detach(), weight.detach()))
 
 
+def test_the_bias_act_case_times_the_op_alone_not_linear_acts_gemm():
+    """The per-op suite times linear_act (a GEMM, then bias + GELU); its GEMM is no te_lab
+    op, so a kernels-alone replay would leave it out and count it as overhead. The
+    dispatch benchmark's case is the op itself, and its replay is the whole step."""
+    [suite_case] = op_cases("bias_act", CPU, torch.float32, Size(16, 64))
+    [case] = op_cases("bias_act", CPU, torch.float32, Size(16, 64), dispatch=True)
+    assert len(suite_case.inputs) == 3 and [tuple(t.shape) for t in case.inputs] == [(16, 64), (64,)]
+    x, bias = case.inputs
+    torch.testing.assert_close(case.fused(x, bias, backend=None), torch.nn.functional.gelu(x + bias))
+    fused = _fused(case)
+    calls = dispatch.recorded_kernels(fused, case.inputs, upstream_gradients(fused, case.inputs))
+    assert [op.name for op, _ in calls] == ["bias_act", "bias_act_backward"]
+    (forward_op, forward_args), _ = calls
+    torch.testing.assert_close(forward_op.__wrapped__(*forward_args), torch.nn.functional.gelu(x + bias))
+
+
 def test_a_case_reports_medians_and_the_overhead_per_call_from_them():
     [case] = op_cases("rms_norm", CPU, torch.float32, Size(16, 64))
     result = dispatch.run_case(case, Size(16, 64), CPU, rounds=3, calls=2)
