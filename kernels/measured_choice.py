@@ -14,6 +14,7 @@ default without measuring, and ``TE_LAB_CHOICES_CACHE`` names another cache dire
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -121,6 +122,20 @@ def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def _keep(tensor):
+    return tensor
+
+
+def _own_saved_tensors():
+    """The samples' autograd saves its tensors as usual, unseen by saved-tensor hooks
+    around the caller: a checkpointed region's forward that measures would otherwise
+    count the samples' saved tensors, and its recomputation, which finds the choice
+    made, would save fewer (torch.utils.checkpoint's CheckpointError)."""
+    if not getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+        return contextlib.nullcontext()  # no hooks can be active
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+
+
 def known(decision: str, shape_class: tuple) -> Optional[str]:
     """The choice already made in this process for ``decision`` at ``shape_class``, if any."""
     return _known.get((decision, shape_class))
@@ -154,7 +169,8 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
         return _decisions[key]["choice"]
     if not measuring_enabled():
         return default
-    times = _median_times_us(candidates())
+    with _own_saved_tensors():
+        times = _median_times_us(candidates())
     choice = min(times, key=times.get)
     _decisions[key] = {"choice": choice, "median_us": {name: round(t, 1) for name, t in times.items()}}
     _known[(decision, shape_class)] = choice

@@ -152,3 +152,20 @@ def test_nothing_is_measured_under_a_mode_that_would_take_over_the_samples(fresh
     x = torch.randn(32, 128)
     torch.testing.assert_close(graph(x), torch.nn.functional.silu(x))
     assert measured_choice.decisions() == {}
+
+
+def test_a_first_measurement_inside_a_checkpointed_region_leaves_its_recomputation_alone(fresh_cache):
+    """The samples' saved tensors are their own: a checkpoint around the measuring call
+    counts only the region's, and its recomputation (the choice known by then) matches."""
+    glu = importlib.import_module("te_lab.kernels.glu")
+    gate = torch.randn(12, 64, requires_grad=True)
+
+    def region(x):
+        return glu.glu(x, x * 2, "silu") * 3
+
+    out = torch.utils.checkpoint.checkpoint(region, gate, use_reentrant=False)
+    assert list(measured_choice.decisions()) == ["glu: CPU backend ('float32', 16, 64, 'silu')"]
+    (grad,) = torch.autograd.grad(out.sum(), gate)
+    expected_gate = gate.detach().requires_grad_()
+    (expected,) = torch.autograd.grad(region(expected_gate).sum(), expected_gate)
+    torch.testing.assert_close(grad, expected)
