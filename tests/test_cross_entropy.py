@@ -186,6 +186,30 @@ def test_cpp_chunk_kernel_writes_the_gradient_over_scratch_logits(dtype):
     assert_close(grad, ref_grad, dtype)
 
 
+@pytest.mark.skipif("cpp" not in fused_backends(CROSS_ENTROPY), reason="te_lab's C++ kernels are not built here")
+def test_cpp_backward_scales_in_place_only_where_the_graph_is_not_kept():
+    """The C++ autograd path keeps the forward's gradient in the graph only (its second
+    output is empty) and scales it in place in a backward that releases the graph; with
+    retain_graph each backward gets the same, correct numbers."""
+    logits, labels = _inputs((6,), 50, torch.float32)
+    x = leaf(logits)
+    weights = torch.linspace(0.5, 2, 6)
+    [want] = torch.autograd.grad((cross_entropy_reference(x, labels, reduction="none") * weights).sum(), [x])
+    per_token, hidden = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)
+    assert hidden.numel() == 0
+    loss = (per_token * weights).sum()
+    first = torch.autograd.grad(loss, [x], retain_graph=True)[0]
+    second = torch.autograd.grad(loss, [x], retain_graph=True)[0]
+    last = torch.autograd.grad(loss, [x])[0]  # the graph is released: in place
+    for got in (first, second, last):
+        torch.testing.assert_close(got, want)
+    # a call that records no graph returns the gradient, as the CPU kernel does
+    with torch.no_grad():
+        _, grad = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)
+    [unweighted] = torch.autograd.grad(cross_entropy_reference(x, labels, reduction="sum"), [x])
+    torch.testing.assert_close(grad, unweighted)
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("bad_label", [8, -3])
 def test_out_of_range_label_names_the_value_and_range(backend, bad_label):

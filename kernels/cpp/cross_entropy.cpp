@@ -1,6 +1,7 @@
 // te_lab::cross_entropy.cpp and te_lab::cross_entropy_backward.cpp: softmax cross-entropy
 // over the vocabulary on the CPU, the loss and its gradient in one forward pass, with the
-// autograd formula in C++ (kernels/cross_entropy.py states the math). And
+// autograd formula in C++ (kernels/cross_entropy.py states the math; the backward scales
+// the gradient in place where autograd releases the graph after it). And
 // te_lab::cross_entropy_over_logits.cpp, for fused_linear_cross_entropy's chunks: the same
 // forward, writing the gradient over the logits it was given.
 //
@@ -11,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -144,14 +146,15 @@ Tensor cross_entropy_over_logits(Tensor& logits, const Tensor& labels, int64_t i
 }
 
 // The stored gradient scaled by each row's upstream gradient, computed in the loss's
-// precision and rounded once to the logits' dtype.
-Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in) {
+// precision and rounded once to the logits' dtype: into a new tensor, or into grad itself
+// where ``in_place`` (its owner will not read it again).
+Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in, bool in_place) {
   const Tensor grad = grad_in.contiguous();
   const int64_t rows = grad.dim() == 2 ? grad.size(0) : 0, vocab = grad.dim() == 2 ? grad.size(1) : 0;
   const Tensor dloss = dloss_in.to(compute_dtype(grad.scalar_type())).contiguous();
   TORCH_CHECK_VALUE(dloss.numel() == rows, "cross_entropy_backward: dloss has ", dloss.numel(), " elements; expected ",
                     rows);
-  Tensor out = at::empty_like(grad);
+  Tensor out = in_place && grad.is_same(grad_in) ? grad : at::empty_like(grad);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "te_lab::cross_entropy_backward.cpp",
                                   [&] {
     using Acc = at::opmath_type<scalar_t>;
@@ -178,11 +181,16 @@ Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in) {
   return out;
 }
 
-Tensor call_backward(const Tensor& grad, const Tensor& dloss) {
+Tensor call_backward(const Tensor& grad, const Tensor& dloss, bool in_place) {
   static const auto op = cpp_overload<decltype(cross_entropy_backward)>("te_lab::cross_entropy_backward");
-  return op.call(grad, dloss);
+  return op.call(grad, dloss, in_place);
 }
 
+// The gradient computed in the forward lives only in the graph: the second output is
+// empty, so that the backward may scale the gradient in place where the graph is not
+// kept (autograd releases it after this node), instead of writing a second [rows, vocab]
+// tensor (a fresh one costs its page faults). A call that records no graph returns the
+// gradient, as the CPU kernel does.
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels, int64_t ignore_index,
@@ -190,9 +198,10 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, grad] = cross_entropy_forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
     ctx->save_for_backward({grad});
-    ctx->mark_non_differentiable({grad});
     ctx->set_materialize_grads(false);
-    return {loss, grad};
+    const Tensor none = at::empty({0}, logits.options());
+    ctx->mark_non_differentiable({none});
+    return {loss, none};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -202,13 +211,17 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     TORCH_CHECK(grad.numel() > 0 || grads[0].numel() == 0,
                 "te_lab::cross_entropy: backward needs the gradient the forward computes (compute_grad=True)");
     variable_list result = none;
-    result[0] = call_backward(grad, grads[0]);
+    result[0] = call_backward(grad, grads[0], !torch::autograd::get_current_graph_task_keep_graph());
     return result;
   }
 };
 
 std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Tensor& labels, int64_t ignore_index,
                                                   double label_smoothing, double z_loss, bool compute_grad) {
+  if (!(at::GradMode::is_enabled() && logits.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return cross_entropy_forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+  }
   auto outputs = CrossEntropyFunction::apply(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
   return {outputs[0], outputs[1]};
 }
@@ -218,7 +231,7 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Te
 TORCH_LIBRARY_FRAGMENT(te_lab, m) {
   m.def("cross_entropy.cpp(Tensor logits, Tensor labels, int ignore_index, float label_smoothing, float z_loss,"
         " bool compute_grad) -> (Tensor, Tensor)");
-  m.def("cross_entropy_backward.cpp(Tensor grad_logits, Tensor dloss) -> Tensor");
+  m.def("cross_entropy_backward.cpp(Tensor grad_logits, Tensor dloss, bool in_place) -> Tensor");
   m.def("cross_entropy_over_logits.cpp(Tensor(a!) logits, Tensor labels, int ignore_index, float label_smoothing,"
         " float z_loss) -> Tensor");
 }
