@@ -310,7 +310,7 @@ def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool
                 torch.autograd.grad((q_out, k_out), (q, k), (dq, dq))
         return run
 
-    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+    return {name: sample(name) for name in ROPE.cpu_measured}
 
 
 _IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
