@@ -37,7 +37,7 @@ import torch
 import te_lab
 from te_lab import device as devices
 from te_lab.kernels import FusedAdamW
-from te_lab.kernels.precision import TOLERANCES
+from te_lab.kernels.precision import TOLERANCES, error_budget
 from te_lab.kernels.registry import registered_ops
 from te_lab.models import build_model, example_batch
 
@@ -72,12 +72,11 @@ def compare_to_truth(got: list, in_dtype: list, truth: list, dtype: torch.dtype)
     """(passed, worst error of ``got``, worst error of ``in_dtype``), both vs ``truth``,
     tensor by tensor: ``got`` passes where its largest error is at most twice
     ``in_dtype``'s plus ``dtype``'s atol + rtol x the tensor's largest true value."""
-    tolerance = TOLERANCES[dtype]
     passed, worst, worst_reference = True, 0.0, 0.0
     for value, reference, true in zip(got, in_dtype, truth):
         error = (value.double() - true).abs().max().item()
         reference_error = (reference.double() - true).abs().max().item()
-        budget = 2 * reference_error + tolerance["atol"] + tolerance["rtol"] * true.abs().max().item()
+        budget = error_budget(reference_error, true.abs().max().item(), dtype)
         passed &= error <= budget
         worst, worst_reference = max(worst, error), max(worst_reference, reference_error)
     return passed, worst, worst_reference

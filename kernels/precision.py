@@ -17,6 +17,20 @@ TOLERANCES = {
 }
 
 
+# A fused result measured against the float64 truth may be this many times as far from it as
+# the unfused computation in the same dtype, plus the dtype's tolerance of the true values:
+# one rounding more than eager's is not a failure (the probe and the GPU check both judge so).
+ERROR_FACTOR = 2.0
+
+
+def error_budget(original_error, true_scale, dtype: torch.dtype):
+    """How far from the truth a fused result may be, given the unfused computation's own
+    error and the true values' largest magnitude (floats, or tensors of them, per row):
+    ``ERROR_FACTOR x original_error + atol + rtol x true_scale`` with ``dtype``'s tolerance."""
+    tolerance = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    return ERROR_FACTOR * original_error + tolerance["atol"] + tolerance["rtol"] * true_scale
+
+
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
