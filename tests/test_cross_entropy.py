@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICE, DTYPES, LOSS_OPTIONS, assert_close, backend_params, fused_backends, grads_of, leaf
 from te_lab.kernels.cross_entropy import (
@@ -186,6 +187,19 @@ def test_cpp_chunk_kernel_writes_the_gradient_over_scratch_logits(dtype):
     assert_close(grad, ref_grad, dtype)
 
 
+class _OpsCalled(TorchDispatchMode):
+    """The names of the ops (``namespace.op.overload``) dispatched inside the block."""
+
+    def __enter__(self):
+        self.names = []
+        super().__enter__()
+        return self.names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.skipif("cpp" not in fused_backends(CROSS_ENTROPY), reason="te_lab's C++ kernels are not built here")
 def test_cpp_backward_scales_in_place_only_where_the_graph_is_not_kept():
     """The C++ autograd path keeps the forward's gradient in the graph only (its second
@@ -198,11 +212,17 @@ def test_cpp_backward_scales_in_place_only_where_the_graph_is_not_kept():
     per_token, hidden = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)
     assert hidden.numel() == 0
     loss = (per_token * weights).sum()
-    first = torch.autograd.grad(loss, [x], retain_graph=True)[0]
-    second = torch.autograd.grad(loss, [x], retain_graph=True)[0]
-    last = torch.autograd.grad(loss, [x])[0]  # the graph is released: in place
+    with _OpsCalled() as kept:
+        first = torch.autograd.grad(loss, [x], retain_graph=True)[0]
+        second = torch.autograd.grad(loss, [x], retain_graph=True)[0]
+    with _OpsCalled() as released:
+        last = torch.autograd.grad(loss, [x])[0]  # the graph is released: in place
     for got in (first, second, last):
         torch.testing.assert_close(got, want)
+    assert kept.count("te_lab.cross_entropy_backward.cpp") == 2 and "cpp_in_place" not in str(kept)
+    # the mutation goes through the overload whose schema declares it
+    assert "te_lab.cross_entropy_backward.cpp_in_place" in released
+    assert "te_lab.cross_entropy_backward.cpp" not in released
     # a call that records no graph returns the gradient, as the CPU kernel does
     with torch.no_grad():
         _, grad = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)

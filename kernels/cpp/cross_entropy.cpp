@@ -1,7 +1,8 @@
 // te_lab::cross_entropy.cpp and te_lab::cross_entropy_backward.cpp: softmax cross-entropy
 // over the vocabulary on the CPU, the loss and its gradient in one forward pass, with the
-// autograd formula in C++ (kernels/cross_entropy.py states the math; the backward scales
-// the gradient in place where autograd releases the graph after it). And
+// autograd formula in C++ (kernels/cross_entropy.py states the math; where autograd
+// releases the graph after it, the backward scales the gradient in place, through
+// te_lab::cross_entropy_backward.cpp_in_place, whose schema declares the mutation). And
 // te_lab::cross_entropy_over_logits.cpp, for fused_linear_cross_entropy's chunks: the same
 // forward, writing the gradient over the logits it was given.
 //
@@ -145,16 +146,14 @@ Tensor cross_entropy_over_logits(Tensor& logits, const Tensor& labels, int64_t i
   return forward_into(logits, labels, logits, {ignore_index, label_smoothing, z_loss});
 }
 
-// The stored gradient scaled by each row's upstream gradient, computed in the loss's
-// precision and rounded once to the logits' dtype: into a new tensor, or into grad itself
-// where ``in_place`` (its owner will not read it again).
-Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in, bool in_place) {
-  const Tensor grad = grad_in.contiguous();
+// out = grad scaled by each row's upstream gradient, computed in the loss's precision and
+// rounded once to the logits' dtype; out may be grad itself (each element is read before
+// it is written).
+void scale_rows(const Tensor& grad, const Tensor& dloss_in, Tensor& out) {
   const int64_t rows = grad.dim() == 2 ? grad.size(0) : 0, vocab = grad.dim() == 2 ? grad.size(1) : 0;
   const Tensor dloss = dloss_in.to(compute_dtype(grad.scalar_type())).contiguous();
   TORCH_CHECK_VALUE(dloss.numel() == rows, "cross_entropy_backward: dloss has ", dloss.numel(), " elements; expected ",
                     rows);
-  Tensor out = in_place && grad.is_same(grad_in) ? grad : at::empty_like(grad);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "te_lab::cross_entropy_backward.cpp",
                                   [&] {
     using Acc = at::opmath_type<scalar_t>;
@@ -178,12 +177,34 @@ Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss_in, boo
       }
     });
   });
+}
+
+// The stored gradient scaled by each row's upstream gradient, into a new tensor.
+Tensor cross_entropy_backward(const Tensor& grad_in, const Tensor& dloss) {
+  const Tensor grad = grad_in.contiguous();
+  Tensor out = at::empty_like(grad);
+  scale_rows(grad, dloss, out);
   return out;
 }
 
-Tensor call_backward(const Tensor& grad, const Tensor& dloss, bool in_place) {
+// The same, written over grad and returned (te_lab::cross_entropy_backward.cpp_in_place,
+// whose schema says so): for a caller that will not read grad again.
+Tensor& cross_entropy_backward_in_place(Tensor& grad, const Tensor& dloss) {
+  TORCH_CHECK_VALUE(grad.is_contiguous(), "cross_entropy_backward (in place): grad_logits must be contiguous");
+  scale_rows(grad, dloss, grad);
+  return grad;
+}
+
+// Through the dispatcher (profiles record te_lab::cross_entropy_backward): in place where
+// the graph is released after this node and the saved gradient is contiguous.
+Tensor call_backward(Tensor grad, const Tensor& dloss, bool in_place) {
+  if (in_place && grad.is_contiguous()) {
+    static const auto op = cpp_overload<decltype(cross_entropy_backward_in_place)>(
+        "te_lab::cross_entropy_backward", "cpp_in_place");
+    return op.call(grad, dloss);
+  }
   static const auto op = cpp_overload<decltype(cross_entropy_backward)>("te_lab::cross_entropy_backward");
-  return op.call(grad, dloss, in_place);
+  return op.call(grad, dloss);
 }
 
 // The gradient computed in the forward lives only in the graph: the second output is
@@ -231,7 +252,8 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Te
 TORCH_LIBRARY_FRAGMENT(te_lab, m) {
   m.def("cross_entropy.cpp(Tensor logits, Tensor labels, int ignore_index, float label_smoothing, float z_loss,"
         " bool compute_grad) -> (Tensor, Tensor)");
-  m.def("cross_entropy_backward.cpp(Tensor grad_logits, Tensor dloss, bool in_place) -> Tensor");
+  m.def("cross_entropy_backward.cpp(Tensor grad_logits, Tensor dloss) -> Tensor");
+  m.def("cross_entropy_backward.cpp_in_place(Tensor(a!) grad_logits, Tensor dloss) -> Tensor(a!)");
   m.def("cross_entropy_over_logits.cpp(Tensor(a!) logits, Tensor labels, int ignore_index, float label_smoothing,"
         " float z_loss) -> Tensor");
 }
@@ -239,6 +261,7 @@ TORCH_LIBRARY_FRAGMENT(te_lab, m) {
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("cross_entropy.cpp", &cross_entropy_forward);
   m.impl("cross_entropy_backward.cpp", &cross_entropy_backward);
+  m.impl("cross_entropy_backward.cpp_in_place", &cross_entropy_backward_in_place);
   m.impl("cross_entropy_over_logits.cpp", &cross_entropy_over_logits);
 }
 

@@ -7,10 +7,11 @@
 
 namespace te_lab_cpu {
 
-// The overload `cpp` of the op `name` ("te_lab::<op>"), typed like the kernel `Fn`.
+// The overload `overload` (by default `cpp`) of the op `name` ("te_lab::<op>"), typed like
+// the kernel `Fn`.
 template <typename Fn>
-c10::TypedOperatorHandle<Fn> cpp_overload(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "cpp").typed<Fn>();
+c10::TypedOperatorHandle<Fn> cpp_overload(const char* name, const char* overload = "cpp") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Fn>();
 }
 
 }  // namespace te_lab_cpu
