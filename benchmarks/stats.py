@@ -5,20 +5,19 @@ the contender is faster. Its spread comes two ways, both from the rounds the har
 interleaves (sample ``i`` of each contender was measured in round ``i``, side by side):
 
 - a 95% bootstrap interval of the ratio of medians, resampling whole rounds so each
-  sample stays paired with the one measured beside it;
+  sample stays paired with the one measured beside it
+  (:func:`te_lab.profiler.intervals.ratio_interval`, which the profiler's headline uses too);
 - the median and quartiles of the per-round ratios.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 from dataclasses import asdict, dataclass
 
-from .harness import Timing
+from te_lab.profiler.intervals import ratio_interval
 
-BOOTSTRAP_RESAMPLES = 1000
-CONFIDENCE = 0.95
+from .harness import Timing
 
 
 @dataclass(frozen=True)
@@ -44,17 +43,6 @@ class Speedup:
         return "no clear difference"
 
 
-def _bootstrap_interval(contender: list[float], over: list[float]) -> tuple[float, float]:
-    generator = random.Random(0)
-    ratios = []
-    for _ in range(BOOTSTRAP_RESAMPLES):
-        picks = [generator.randrange(len(over)) for _ in over]
-        ratios.append(statistics.median(over[i] for i in picks) / statistics.median(contender[i] for i in picks))
-    ratios.sort()
-    tail = (1 - CONFIDENCE) / 2
-    return ratios[int(tail * len(ratios))], ratios[min(len(ratios) - 1, int((1 - tail) * len(ratios)))]
-
-
 def speedup(contender: Timing, over: Timing) -> Speedup:
     """How much faster ``contender`` ran than ``over`` (see the module doc)."""
     if len(contender.samples_ms) != len(over.samples_ms) or not contender.samples_ms:
@@ -65,5 +53,5 @@ def speedup(contender: Timing, over: Timing) -> Speedup:
         q1, q2, q3 = statistics.quantiles(per_round, n=4)
     else:
         q1, q2, q3 = min(per_round), statistics.median(per_round), max(per_round)
-    low, high = _bootstrap_interval(contender.samples_ms, over.samples_ms)
+    low, high = ratio_interval(over.samples_ms, contender.samples_ms)
     return Speedup(contender.name, over.name, over.median_ms / contender.median_ms, low, high, q2, q1, q3)

@@ -19,7 +19,7 @@ from IPython.utils.process import arg_split
 from torch import nn
 
 import te_lab
-from te_lab.options import BACKEND_CHOICES, argument_type, check_steps, check_warmup
+from te_lab.options import BACKEND_CHOICES, argument_type, check_budget, check_steps, check_warmup
 from te_lab.profiler import ProfileRun
 from te_lab.status import status_lines
 
@@ -106,7 +106,11 @@ class TeLabMagics(Magics):
 
     @magic_arguments()
     @argument("--model", help="the fused model to switch (default: every fused model in the namespace)")
-    @argument("--steps", type=argument_type(check_steps), default=5, help="timed steps per mode (default 5)")
+    @argument("--steps", type=argument_type(check_steps), default="auto",
+              help="timed steps per mode, or auto: interleaved pairs until the speedup's 95%% interval is within "
+                   "±3%% or --budget runs out (default auto)")
+    @argument("--budget", type=argument_type(check_budget), default=60.0, metavar="SECONDS",
+              help="with --steps auto, the most seconds spent on timed steps (default 60)")
     @argument("--warmup", type=argument_type(check_warmup), default=2, help="untimed steps per mode first (default 2)")
     @argument("--no-backward", action="store_true", help="do not differentiate the statement's value")
     @argument("--html", metavar="PATH", help="also write the static report to PATH (.html)")
@@ -121,8 +125,9 @@ class TeLabMagics(Magics):
         A statement that is an expression (``model(**batch)``) has its value's loss
         differentiated, as te_lab.profile does; other code runs as it is (put your own
         ``.backward()`` in it). The cell form profiles the whole cell. The code runs
-        many times (warm-up, timed and profiled steps, in both modes: 22 with the
-        defaults), and the magic prints how many; code that changes the parameters (an
+        many times (warm-up, timed and profiled steps, in both modes: with ``--steps
+        auto``, until the speedup's interval is within ±3% or ``--budget`` seconds are
+        spent), and the magic prints how many; code that changes the parameters (an
         optimizer step) gets a warning, as the figures then measure a moving model.
 
         Example::
@@ -182,12 +187,14 @@ class TeLabMagics(Magics):
             exec(compiled, namespace)
             return None
 
-        profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup,
+        profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
                                            backward=is_expression and not args.no_backward)
+        report = None
         try:
             report = profile_run.run()
         finally:
-            print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {args.steps} timed steps, "
+            steps = args.steps if report is None else len(report.modes["eager"].step_ms)
+            print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {steps} timed steps, "
                   f"then profiled steps, in each of eager and fused mode)")
         if args.html:
             print(f"static report written to {te_lab.to_html(report, args.html)}")

@@ -53,7 +53,7 @@ def test_profile_errors_name_te_lab_profile(frozen_fused_model):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("steps", 0, "steps must be a positive integer, got 0"),
+    ("steps", 0, "steps must be a positive integer or 'auto', got 0"),
     ("warmup", -1, "warmup must be a non-negative integer, got -1"),
 ])
 def test_count_options_are_checked_alike_by_the_api_and_the_cli(frozen_fused_model, option, value, message, capsys):

@@ -11,7 +11,7 @@ import torch
 
 from te_lab import device as devices
 from te_lab.models import HUGGINGFACE_MODEL_NAMES, MODEL_NAMES, canonical_model_name
-from te_lab.options import argument_type, check_steps, check_warmup
+from te_lab.options import argument_type, check_budget, check_steps, check_warmup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,7 +68,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, model: str | None, bat
     parser.add_argument("--device", type=device_name, default=None,
                         help=f"cpu, cuda[:N] or musa[:N] (default: the first GPU, else the CPU; here "
                              f"{devices.default_device()})")
-    parser.add_argument("--steps", type=argument_type(check_steps), default=5, help="timed steps per mode (default 5)")
+    parser.add_argument("--steps", type=argument_type(check_steps), default="auto",
+                        help="timed steps per mode, or auto: interleaved pairs until the speedup's 95%% interval is "
+                             "within ±3%% or --budget runs out (default auto)")
+    parser.add_argument("--budget", type=argument_type(check_budget), default=60.0, metavar="SECONDS",
+                        help="with --steps auto, the most seconds spent on timed steps (default 60)")
     parser.add_argument("--warmup", type=argument_type(check_warmup), default=2,
                         help="untimed steps per mode first (default 2)")
     parser.add_argument("--html", type=file_with_suffix(".html", ".htm"), default=html,

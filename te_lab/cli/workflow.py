@@ -32,6 +32,7 @@ def _progress_bar(description: str):
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, desc=description, leave=False)
+        bar.total = total  # steps="auto" plans more steps as it learns how long one takes
         bar.update(done - bar.n)
         if done >= total:
             # tqdm redraws at most every 0.1 s: without a refresh a fast last step
@@ -58,9 +59,10 @@ def fuse_and_profile(args: argparse.Namespace) -> int:
     fusion = te_lab.fuse(model, sample=batch, progress=True)
     print(fusion, flush=True)
 
-    _stage(3, f"profiling eager against fused: {args.warmup} warm-up + {args.steps} timed steps per mode, "
-              f"interleaved, then profiled steps")
-    report = te_lab.profile(model, batch, steps=args.steps, warmup=args.warmup,
+    timed = (f"timed pairs until the speedup's 95% interval is within ±3% (at most {args.budget:g} s)"
+             if args.steps == "auto" else f"{args.steps} timed steps per mode")
+    _stage(3, f"profiling eager against fused: {args.warmup} warm-up + {timed}, interleaved, then profiled steps")
+    report = te_lab.profile(model, batch, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
                             progress=_progress_bar("te_lab.profile"), trace_dir=args.trace_dir)
     print(report.summary(), flush=True)
 

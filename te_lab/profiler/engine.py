@@ -31,7 +31,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 from torch import nn
@@ -40,11 +40,12 @@ from torch.profiler import record_function
 from te_lab import device as devices, distributed
 from te_lab.inputs import ProbeInputs, as_call_inputs, output_tensors
 from te_lab.kernels import use_backend
-from te_lab.options import check_steps, check_warmup
+from te_lab.options import check_budget, check_steps, check_warmup
 from te_lab.surgery import fusions, is_fused, unfused
 
-from . import compiles, correction, regions, trace_files
+from . import compiles, correction, intervals, regions, trace_files
 from .attribution import attribute
+from .chatter import without_profiler_chatter
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .report import (
@@ -64,13 +65,24 @@ from .sampler import UtilizationSampler
 LOSS_KEY = "(model) lm_head + loss"
 TARGET_KEY = "(target)"  # the region of a callable target
 # Profiled steps per mode: the profiler's own hiccups (a few ms on a busy CPU) hit single
-# ops at random, so each region's times are medians over these steps.
-PROFILED_STEPS = 3
+# ops at random, so each region's times are medians over these steps, and each module's
+# speedup interval is bootstrapped over them.
+PROFILED_STEPS = 5
+# steps="auto": interleaved pairs are added until the speedup's 95% interval is within
+# ±AUTO_TARGET of it, at least MIN_AUTO_PAIRS and at most MAX_AUTO_PAIRS, or until the
+# time budget (budget_s) is spent.
+AUTO_TARGET = 0.03
+MIN_AUTO_PAIRS = 5
+MAX_AUTO_PAIRS = 200
+DEFAULT_BUDGET_S = 60.0
 
 FORMULAS = {
     "step_ms": "median over timed steps of the step's wall time (device timer), profiler off",
     "spread_ms": "half the interquartile range of the step times",
     "speedup": "eager step median / fused step median",
+    "speedup_interval": intervals.FORMULA + " of the timed steps",
+    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, x the ratio of the modes' "
+                               "attribution scales",
     "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
     "bytes_moved": BYTES_FORMULA,
     "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
@@ -250,9 +262,15 @@ def _environment(device: torch.device, target, inputs, description: str) -> Envi
                        *distributed.rank_and_world_size())
 
 
-def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: bool = True,
-            device=None, progress: Optional[Callable[[int, int], None]] = None, trace_dir=None) -> ProfileReport:
+def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int = 2, backward: bool = True,
+            device=None, progress: Optional[Callable[[int, int], None]] = None, trace_dir=None,
+            budget_s: float = DEFAULT_BUDGET_S) -> ProfileReport:
     """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport.
+
+    ``steps``: timed (unprofiled) steps per mode, run in interleaved eager / fused pairs;
+    ``"auto"`` adds pairs until the speedup's 95% interval is within ±3%
+    (:data:`AUTO_TARGET`), after at least :data:`MIN_AUTO_PAIRS`, or until ``budget_s``
+    seconds of timed pairs are spent (the report's notes say which).
 
     ``trace_dir``: a directory that receives every profiled step's raw trace
     (:mod:`te_lab.profiler.trace_files`), for :func:`te_lab.open_trace` elsewhere.
@@ -261,7 +279,7 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     again with the same arguments (the dashboard's Re-run), keep a
     :class:`~te_lab.profiler.ProfileRun`.
     """
-    _check_counts(steps, warmup, "te_lab.profile")
+    _check_counts(steps, warmup, budget_s, "te_lab.profile")
     modes, description, key_info = _modes(target, inputs)
     if backward and not modes[0].leaves:
         raise ValueError("te_lab.profile: backward=True, but there is nothing to differentiate: no parameter of the "
@@ -270,19 +288,21 @@ def profile(target, inputs=None, *, steps: int = 5, warmup: int = 2, backward: b
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup,
-                          backward, progress)
+                          backward, progress, budget_s)
     return report
 
 
-def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, warmup: int = 2,
+def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int, str] = "auto", warmup: int = 2,
                       backward: bool = True, device=None,
-                      progress: Optional[Callable[[int, int], None]] = None, trace_dir=None) -> ProfileReport:
+                      progress: Optional[Callable[[int, int], None]] = None, trace_dir=None,
+                      budget_s: float = DEFAULT_BUDGET_S) -> ProfileReport:
     """Profile code that uses fused models (what ``%te_profile`` runs): "eager" runs
     ``run()`` with every model in ``models`` (name -> fused model) inside
     ``te_lab.unfused``, "fused" as they are. Module keys are the models' module paths,
     prefixed by the model's name when there are several. With ``backward``, the value
-    ``run()`` returns is differentiated as in :func:`profile`; ``trace_dir`` as there."""
-    _check_counts(steps, warmup, "te_lab.profile_statement")
+    ``run()`` returns is differentiated as in :func:`profile`; ``steps``, ``budget_s`` and
+    ``trace_dir`` as there."""
+    _check_counts(steps, warmup, budget_s, "te_lab.profile_statement")
     if not models:
         raise ValueError("te_lab.profile_statement: models is empty; fuse a model first (te_lab.fuse)")
     for name, model in models.items():
@@ -318,41 +338,45 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: int = 5, w
     versions = [(p, p._version) for model in models.values() for p in model.parameters()]
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
-                          backward, progress)
+                          backward, progress, budget_s)
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
+        runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup)
         message = (f"te_lab.profile_statement: the statement changed {changed} of the models' parameters in place "
-                   f"while it ran {2 * runs_per_mode(steps, warmup)} times (an optimizer step inside it?), so the "
+                   f"while it ran {runs} times (an optimizer step inside it?), so the "
                    f"eager and fused steps measured a moving model")
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         report.notes.append(message)
     return report
 
 
-def _check_counts(steps, warmup, caller: str) -> None:
+def _check_counts(steps, warmup, budget_s, caller: str) -> None:
     check_steps(steps, caller)
     check_warmup(warmup, caller)
+    check_budget(budget_s, caller)
 
 
 def runs_per_mode(steps: int, warmup: int) -> int:
-    """How many times a profile runs its target in each mode: the warm-up and timed
-    steps, one profiled step thrown away, then the profiled steps kept."""
+    """How many times a profile with ``steps`` timed steps (a number: what ``"auto"``
+    settled on) runs its target in each mode: the warm-up and timed steps, one profiled
+    step thrown away, then the profiled steps kept."""
     return warmup + steps + 1 + min(steps, PROFILED_STEPS)
 
 
-def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps: int, warmup: int,
-             backward: bool, progress) -> ProfileReport:
+def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps, warmup: int,
+             backward: bool, progress, budget_s: float) -> ProfileReport:
     report = ProfileReport(environment, formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
     compile_counters = {mode.name: compiles.CompileCounter() for mode in modes}
-    total = len(modes) * runs_per_mode(steps, warmup)
+    profiled_steps = PROFILED_STEPS if steps == "auto" else min(steps, PROFILED_STEPS)
+    planned = {"timed": MIN_AUTO_PAIRS if steps == "auto" else steps}
     done = 0
 
     def advance() -> None:
         nonlocal done
         done += 1
         if progress is not None:
-            progress(done, total)
+            progress(done, len(modes) * (warmup + planned["timed"] + 1 + profiled_steps))
 
     with torch.random.fork_rng(devices=[dev] if devices.is_gpu(dev) else [],
                                **({"device_type": dev.type} if devices.is_gpu(dev) else {})):
@@ -362,30 +386,46 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                     _timed_step(mode, backward, dev)
                     advance()
         with UtilizationSampler(dev) as sampler:
-            for index in range(steps):
+            started = time.perf_counter()
+            index = 0
+            while True:
                 for mode in (modes if index % 2 == 0 else modes[::-1]):
                     with mode.context(), compile_counters[mode.name]:
                         sampler.mark(f"{mode.name} step {index + 1} start")
                         samples[mode.name].append(_timed_step(mode, backward, dev))
                         advance()
                         sampler.mark(f"{mode.name} step {index + 1} end")
+                index += 1
+                if steps != "auto":
+                    if index >= steps:
+                        break
+                    continue
+                stop = _auto_stop(samples, index, time.perf_counter() - started, budget_s)
+                if stop:
+                    report.notes.append(stop)
+                    planned["timed"] = index
+                    break
+                pair_s = (time.perf_counter() - started) / index
+                planned["timed"] = max(index + 1, min(MAX_AUTO_PAIRS, int(budget_s / pair_s) if pair_s > 0 else 0))
         runs = {mode.name: [] for mode in modes}
         # One profiled step per mode is thrown away first: the profiler's first session in
         # a process, and the first call of each compiled graph under it, cost up to
         # hundreds of ms that land on whichever op runs first.
-        for index in range(-1, min(steps, PROFILED_STEPS)):
+        for index in range(-1, profiled_steps):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
                 with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
                     profiled = _profiled_step(mode, backward, dev)
                 if index >= 0:
                     runs[mode.name].append(profiled)
                 advance()
+        per_round = _per_round_totals(runs)
         traces = {name: _median_run(profiled) for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = _summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
         report.modes[mode.name].compiles = compile_counters[mode.name].count
     _correct_to_unprofiled(report, traces, devices.is_gpu(dev))
     _compare(report, traces, key_info)
+    _module_intervals(report, per_round)
     _utilization(report, samples, sampler, traces, dev)
     report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
     report.utilization_series = [vars(series) for series in sampler.series]
@@ -393,6 +433,64 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
     report.notes += [note for mode in modes for note in traces[mode.name].trace.notes]
     return report
+
+
+def _step_ms(samples: dict, mode: str) -> list[float]:
+    return [sample[0] for sample in samples[mode]]
+
+
+def _auto_stop(samples: dict, pairs: int, elapsed_s: float, budget_s: float) -> str:
+    """Why ``steps="auto"`` stops after ``pairs`` interleaved pairs, or "" to go on: the
+    speedup's interval is narrow enough, the time budget is spent, or MAX_AUTO_PAIRS ran."""
+    if pairs < MIN_AUTO_PAIRS:
+        return ""
+    eager, fused = _step_ms(samples, "eager"), _step_ms(samples, "fused")
+    value = statistics.median(eager) / statistics.median(fused)
+    width = intervals.relative_half_width(value, *intervals.ratio_interval(eager, fused))
+    if width < AUTO_TARGET:
+        return (f"steps='auto': the speedup's 95% interval reached ±{100 * width:.1f}% (target "
+                f"±{100 * AUTO_TARGET:.0f}%) after {pairs} interleaved pairs, {elapsed_s:.1f} s")
+    if elapsed_s >= budget_s or pairs >= MAX_AUTO_PAIRS:
+        spent = f"the budget of {budget_s:g} s was spent" if elapsed_s >= budget_s else f"{MAX_AUTO_PAIRS} pairs ran"
+        return (f"steps='auto': {spent} after {pairs} interleaved pairs ({elapsed_s:.1f} s) with the speedup's 95% "
+                f"interval at ±{100 * width:.1f}%, wider than the target ±{100 * AUTO_TARGET:.0f}% (raise budget_s "
+                f"for a tighter one)")
+    return ""
+
+
+def _per_round_totals(runs: dict) -> dict:
+    """key -> mode -> the key's time (ms, as profiled) in each profiled round, before
+    :func:`_median_run` replaces the first round's figures; "(other)" is the profiled wall
+    time no module accounts for."""
+    totals: dict = {}
+    for mode, profiled in runs.items():
+        for round_index, run in enumerate(profiled):
+            for key, region in run.trace.regions.items():
+                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms
+            attributed = sum(region.total_ms for region in run.trace.regions.values())
+            totals.setdefault(OTHER_KEY, {}).setdefault(mode, {})[round_index] = max(run.wall_ms - attributed, 0.0)
+    return totals
+
+
+def _module_intervals(report: ProfileReport, per_round: dict) -> None:
+    """Each module's speedup interval over the paired profiled rounds, scaled as its times
+    were; a note when "(other)", which fusion does not touch, changed measurably."""
+    scale = report.modes["eager"].attribution_scale / report.modes["fused"].attribution_scale
+    for comparison in report.modules:
+        rounds = per_round.get(comparison.key, {})
+        eager, fused = rounds.get("eager", {}), rounds.get("fused", {})
+        paired = sorted(set(eager) & set(fused))
+        if len(paired) < 2 or comparison.speedup is None or any(fused[i] <= 0 for i in paired):
+            continue
+        low, high = intervals.ratio_interval([eager[i] for i in paired], [fused[i] for i in paired])
+        comparison.speedup_low, comparison.speedup_high = low * scale, high * scale
+    other = next(c for c in report.modules if c.key == OTHER_KEY)
+    if other.distinguishable:
+        report.notes.append(
+            f"warning: (other) ran {other.speedup:.2f}x [{other.speedup_low:.2f}, {other.speedup_high:.2f}] eager "
+            f"against fused, a change fusion cannot cause: it holds the same code in both modes (ops no fused "
+            f"module owns and the Python between ops); the machine's noise or the profiler's overhead moved it, "
+            f"so read the module rows' shares of the step with care")
 
 
 def _device_of(target, inputs) -> torch.device:
@@ -416,9 +514,15 @@ def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profil
                 devices.synchronize(device)
                 devices.reset_peak_memory_stats(device)
                 before = devices.memory_allocated(device)
-            with torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=True,
-                                        with_flops=True, profile_memory=True) as profiler:
+            profiler = torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=True,
+                                              with_flops=True, profile_memory=True)
+            with without_profiler_chatter():
+                profiler.start()
+            try:
                 wall_ms = _timed_step(mode, backward, device)[0]
+            finally:
+                with without_profiler_chatter():
+                    profiler.stop()
             trace_files.export(profiler, mode.name)
             trace = attribute(profiler, mode.name, LOSS_KEY, devices.is_gpu(device))
     if devices.is_gpu(device):
@@ -508,12 +612,15 @@ def _compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
     all_fused_ms = sum(c.fused.total_ms for c in report.modules)
     eager_bytes = sum(c.eager.bytes_moved for c in report.modules)
     fused_bytes = sum(c.fused.bytes_moved for c in report.modules)
+    speedup_low = speedup_high = None
+    if fused.step_median_ms > 0 and len(eager.step_ms) >= 2:
+        speedup_low, speedup_high = intervals.ratio_interval(eager.step_ms, fused.step_ms)
     report.totals = Totals(
         eager.step_median_ms / fused.step_median_ms if fused.step_median_ms > 0 else float("nan"),
         eager.step_median_ms - fused.step_median_ms, eager.launches - fused.launches, eager_bytes - fused_bytes,
         fused_op_ms / all_fused_ms if all_fused_ms > 0 else 0.0,
         fused.step_median_ms / eager.step_median_ms - 1 if eager.step_median_ms > 0 else float("nan"),
-        fused_bytes / eager_bytes - 1 if eager_bytes > 0 else None)
+        fused_bytes / eager_bytes - 1 if eager_bytes > 0 else None, speedup_low, speedup_high)
     for mode in ("eager", "fused"):
         for comparison in report.kinds:
             region = getattr(comparison, mode)

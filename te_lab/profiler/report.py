@@ -17,6 +17,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .intervals import holds_one
+
 MODES = ("eager", "fused")
 OTHER_KEY = "(other)"  # the row of step time no module accounts for
 
@@ -89,10 +91,21 @@ class Comparison:
     eager: Region = field(default_factory=Region)
     fused: Region = field(default_factory=Region)
     verification: str = ""  # the fusion probe's errors, when the profiled model was fused with a probe
+    # 95% interval of the speedup over the paired profiled steps (te_lab.profiler.intervals); None where
+    # there is none (an op kind, a row that is empty in a mode, "(other)")
+    speedup_low: Optional[float] = None
+    speedup_high: Optional[float] = None
 
     @property
     def speedup(self) -> Optional[float]:
         return self.eager.total_ms / self.fused.total_ms if self.fused.total_ms > 0 else None
+
+    @property
+    def distinguishable(self) -> Optional[bool]:
+        """Whether the speedup's interval excludes 1.0; None without an interval."""
+        if self.speedup_low is None or self.speedup_high is None:
+            return None
+        return not holds_one(self.speedup_low, self.speedup_high)
 
     @property
     def time_saved_ms(self) -> float:
@@ -108,6 +121,23 @@ class Totals:
     fused_share: float  # of the fused profiled step, the share of time inside fused ops
     step_time_change: float = 0.0  # fused step median / eager step median - 1 (negative: faster)
     traffic_change: Optional[float] = None  # fused bytes moved / eager bytes moved - 1; None without bytes
+    # 95% bootstrap interval of ``speedup`` over the paired timed steps (te_lab.profiler.intervals)
+    speedup_low: Optional[float] = None
+    speedup_high: Optional[float] = None
+
+    @property
+    def step_time_change_interval(self) -> Optional[tuple[float, float]]:
+        """The interval of ``step_time_change`` (fused / eager - 1), from the speedup's."""
+        if self.speedup_low is None or self.speedup_high is None:
+            return None
+        return 1 / self.speedup_high - 1, 1 / self.speedup_low - 1
+
+    @property
+    def measurable(self) -> Optional[bool]:
+        """Whether the step time changed measurably: the speedup's interval excludes 1.0."""
+        if self.speedup_low is None or self.speedup_high is None:
+            return None
+        return not holds_one(self.speedup_low, self.speedup_high)
 
 
 @dataclass
@@ -193,8 +223,7 @@ class ProfileReport:
         eager, fused = self.modes["eager"], self.modes["fused"]
         traffic = "-" if totals.traffic_change is None else _change(totals.traffic_change)
         return [
-            ("step time", f"{_change(totals.step_time_change)} ({eager.step_median_ms:.3f} -> "
-                          f"{fused.step_median_ms:.3f} ms, {totals.speedup:.2f}x)"),
+            ("step time", step_time_headline(totals, eager.step_median_ms, fused.step_median_ms)),
             ("memory traffic (estimate)", f"{traffic} ({_mib(totals.bytes_saved_estimate)} MiB saved)"),
             ("launches saved", f"{totals.launches_saved} ({eager.launches} -> {fused.launches})"),
         ]
@@ -204,14 +233,15 @@ class ProfileReport:
         env = self.environment
         rank = "" if env.rank is None else f", rank {env.rank} of {env.world_size}"
         lines = [f"te_lab.profile: {env.target} on {env.device_name} ({env.device}, {env.threads} threads, "
-                 f"{env.dtype}{rank}), {len(eager.step_ms)} interleaved steps per mode"]
+                 f"{env.dtype}{rank}), {len(eager.step_ms)} interleaved steps per mode; [low, high]: 95% interval"]
         lines += _table([(f"{title}:", value) for title, value in self.headline()])
         lines.append("")
         header = ("", "eager", "fused", "")
         rows = [
             ("step ms (median ± spread)", f"{eager.step_median_ms:.3f} ± {eager.step_spread_ms:.3f}",
              f"{fused.step_median_ms:.3f} ± {fused.step_spread_ms:.3f}",
-             f"speedup {self.totals.speedup:.3f}x" if self.totals else ""),
+             f"speedup {self.totals.speedup:.3f}x {_interval(self.totals.speedup_low, self.totals.speedup_high)}"
+             if self.totals else ""),
             ("forward / backward ms", _pair(eager), _pair(fused), ""),
             ("ops launched (profiled step)", str(eager.launches), str(fused.launches),
              f"saved {self.totals.launches_saved}" if self.totals else ""),
@@ -229,9 +259,14 @@ class ProfileReport:
             rows.append(("time in fused ops", "", f"{100 * self.totals.fused_share:.0f}%", ""))
         lines += _table([header] + rows)
         lines.append("")
-        lines += _table([("module / kind", "eager ms", "fused ms", "speedup", "launches e/f")] + [
+        lines += _table([("kind", "eager ms", "fused ms", "speedup", "launches e/f")] + [
             (c.key, f"{c.eager.total_ms:.3f}", f"{c.fused.total_ms:.3f}", _ratio(c.speedup),
              f"{c.eager.launches}/{c.fused.launches}") for c in self.kinds])
+        lines.append("")
+        lines += _table([("module", "eager ms", "fused ms", "speedup [95% interval]", "")] + [
+            (c.key, f"{c.eager.total_ms:.3f}", f"{c.fused.total_ms:.3f}",
+             f"{_ratio(c.speedup)} {_interval(c.speedup_low, c.speedup_high)}".strip(),
+             "no measurable difference" if c.distinguishable is False else "") for c in self.modules])
         lines += self.notes
         return "\n".join(lines)
 
@@ -276,7 +311,8 @@ class ProfileReport:
     def from_dict(cls, data: dict) -> "ProfileReport":
         def comparison(entry: dict) -> Comparison:
             return Comparison(entry["key"], entry["kind"], entry.get("module_type", ""),
-                              Region(**entry["eager"]), Region(**entry["fused"]), entry.get("verification", ""))
+                              Region(**entry["eager"]), Region(**entry["fused"]), entry.get("verification", ""),
+                              entry.get("speedup_low"), entry.get("speedup_high"))
 
         data = dict(data)
         data["environment"] = Environment(**data["environment"])
@@ -311,6 +347,23 @@ def _num(value: Optional[float], digits: int = 2) -> str:
 
 def _ratio(value: Optional[float]) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def _interval(low: Optional[float], high: Optional[float]) -> str:
+    return "" if low is None or high is None else f"[{low:.2f}, {high:.2f}]"
+
+
+def step_time_headline(totals: Totals, eager_ms: float, fused_ms: float) -> str:
+    """The step time card: the change with its 95% interval, or "no measurable
+    difference" when the speedup's interval holds 1.0."""
+    timings = f"{eager_ms:.3f} -> {fused_ms:.3f} ms, {_ratio(totals.speedup)}"
+    change = totals.step_time_change_interval
+    if change is None:
+        return f"{_change(totals.step_time_change)} ({timings})"
+    interval = f"[{_change(change[0])}, {_change(change[1])}]"
+    if not totals.measurable:
+        return f"no measurable difference: {_change(totals.step_time_change)} {interval} ({timings})"
+    return f"{_change(totals.step_time_change)} {interval} ({timings})"
 
 
 def _change(fraction: float) -> str:
