@@ -7,8 +7,16 @@ Called with ``labels``, the model runs its body (the decoder stack) and then
 ``logits_to_keep``) the model's own forward runs unchanged and returns its logits.
 
 The loss is Hugging Face's causal-LM convention: position ``t`` predicts label
-``t + 1``, ``-100`` is ignored, the mean is over labelled tokens (a sum divided by
-``num_items_in_batch`` when that is given, as gradient accumulation passes it).
+``t + 1`` (or ``shift_labels``, when given, are the targets as they are), ``-100`` is
+ignored, the mean is over labelled tokens (a sum divided by ``num_items_in_batch`` when
+that is given, as Trainer's gradient accumulation passes it).
+
+To a caller that introspects it the installed forward is the original: its signature
+(``inspect.signature``, which Trainer reads to choose the dataset's columns and whether
+the model takes ``num_items_in_batch``) and ``__wrapped__`` are the original forward's.
+A wrapper installed over it later (Accelerator.prepare's mixed precision) keeps it
+running, and te_lab still finds it (:func:`installed_lm_head_loss`); unfusing under
+such a wrapper switches it to pass every call to the original forward.
 """
 
 from __future__ import annotations
@@ -51,26 +59,41 @@ class FusedLMHeadLoss:
         self.replaced_instance_forward: Optional[Callable] = model.__dict__.get("forward")
         self.original_forward: Callable = self.replaced_instance_forward or type(model).forward.__get__(model)
         self._signature = forward_signature(self.original_forward)
+        # What introspection sees (inspect.signature, inspect.unwrap): the original forward.
+        self.__signature__ = self._signature
+        self.__wrapped__ = self.original_forward
         self._body_signature = forward_signature(model._modules[body].forward)
         # Read once here: torch.compile graph-breaks on dataclasses.fields of a class.
         self._carried_field_names = _carried_field_names(output_type)
+        # False once unfused while a wrapper installed over it still calls it.
+        self.active = True
 
     def __call__(self, *args, **kwargs):
+        if not self.active:
+            return self.original_forward(*args, **kwargs)
         named = named_arguments(self._signature, args, kwargs)
         labels = named.pop("labels", None)
         if labels is None or named.pop("logits_to_keep", 0) not in (0, None) or named.get("return_dict") is False:
             return self.original_forward(*args, **kwargs)
         num_items = named.get("num_items_in_batch")
+        targets = named.get("shift_labels")
         body = self.model._modules[self.body_name]
         body_output = body(**{name: value for name, value in named.items() if accepts(self._body_signature, name)})
         hidden = _last_hidden_state(body_output)
         weight, bias = linear_weight(self.model._modules[self.head_name])
-        shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-        loss = fused_linear_cross_entropy(hidden, weight, shifted.to(hidden.device), bias, ignore_index=IGNORE_INDEX,
+        if targets is None:
+            targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+        loss = fused_linear_cross_entropy(hidden, weight, targets.to(hidden.device), bias, ignore_index=IGNORE_INDEX,
                                           reduction="mean" if num_items is None else "sum", backend=self.backend)
         if num_items is not None:
-            loss = loss / num_items
+            loss = loss / (num_items.to(loss.device) if isinstance(num_items, Tensor) else num_items)
         return self.output_type(loss=loss, logits=None, **_carried_fields(self._carried_field_names, body_output))
+
+    def install(self) -> None:
+        """Make this the model's forward (again, after :meth:`restore_original`)."""
+        if installed_lm_head_loss(self.model, include_inactive=True) is not self:
+            self.model.forward = self
+        self.active = True
 
     def resolved_backends(self, device: torch.device) -> dict[str, str]:
         return {FUSED_LINEAR_CROSS_ENTROPY.name: select_backend(FUSED_LINEAR_CROSS_ENTROPY, device, self.backend)}
@@ -79,11 +102,28 @@ class FusedLMHeadLoss:
         return [f"te_lab::{FUSED_LINEAR_CROSS_ENTROPY.name}"]
 
     def restore_original(self) -> nn.Module:
-        if self.replaced_instance_forward is not None:
-            self.model.forward = self.replaced_instance_forward
-        else:
-            del self.model.forward
+        self.active = False
+        if self.model.__dict__.get("forward") is self:
+            if self.replaced_instance_forward is not None:
+                self.model.forward = self.replaced_instance_forward
+            else:
+                del self.model.forward
         return self.model
+
+
+def installed_lm_head_loss(model: nn.Module, include_inactive: bool = False) -> Optional[FusedLMHeadLoss]:
+    """The fused forward installed on ``model``: its instance ``forward``, or one that a
+    wrapper installed over it calls (found through ``__wrapped__``, which
+    ``functools.wraps`` and accelerate's wrappers set); ``None`` when there is none, or
+    it was unfused (unless ``include_inactive``)."""
+    forward = model.__dict__.get("forward")
+    for _ in range(64):  # a chain of wrappers, never a cycle
+        if forward is None or isinstance(forward, FusedLMHeadLoss):
+            break
+        forward = getattr(forward, "__wrapped__", None)
+    if isinstance(forward, FusedLMHeadLoss) and forward.model is model and (forward.active or include_inactive):
+        return forward
+    return None
 
 
 def _last_hidden_state(body_output: Any) -> Tensor:

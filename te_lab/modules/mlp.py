@@ -9,7 +9,9 @@
 
 GEMMs stay on the vendor BLAS, and the projections are called as the original's child
 modules wherever the fusion does not need their weights, so wrappers on them keep
-working. A dropout child is applied to the block's output, as GPT-2's MLP does.
+working; an fc1 that stands in for a Linear (a LoRA layer, :mod:`.linear_like`) is
+called too, and only its activation is fused. A dropout child is applied to the block's
+output, as GPT-2's MLP does.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from te_lab.kernels.bias_act import BIAS_ACT, linear_act
+from te_lab.kernels.bias_act import BIAS_ACT, bias_act, linear_act
 from te_lab.kernels.glu import GLU, glu
 from te_lab.kernels.linear import LINEAR
 
 from .base import FusedModule
-from .linear_like import linear_weight
+from .linear_like import has_linear_weight, linear_weight
 from .projection import linear_ops, project
 
 
@@ -37,8 +39,12 @@ class FusedMLP(FusedModule):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = linear_weight(self._modules[self.fc1_name])
-        h = linear_act(x, weight, bias, self.activation, backend=self.backend_for(BIAS_ACT))
+        fc1 = self._modules[self.fc1_name]
+        if has_linear_weight(fc1):
+            weight, bias = linear_weight(fc1)
+            h = linear_act(x, weight, bias, self.activation, backend=self.backend_for(BIAS_ACT))
+        else:  # a stand-in (a LoRA layer) is called as it is; the activation is still one pass
+            h = bias_act(fc1(x), None, self.activation, backend=self.backend_for(BIAS_ACT))
         if self.fc2_name is not None:
             h = self._modules[self.fc2_name](h)
         if self.dropout_name is not None:

@@ -6,7 +6,9 @@ A candidate has an ``lm_head`` projection, a body child named by its
 a forward that takes ``labels`` and an output object with ``loss`` and ``logits``
 fields. The probe runs the whole model with labels and compares the loss and every
 parameter gradient; labels are added to a captured call that lacks them (the inputs
-shifted by one, as for language-model training).
+shifted by one, as for language-model training). An ``lm_head`` that stands in for a
+Linear (a LoRA layer) and a model whose forward someone else has wrapped are skipped
+with the reason.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from te_lab.inputs import call_with
-from te_lab.modules.linear_like import in_out_features, is_linear_like
+from te_lab.modules.linear_like import has_linear_weight, in_out_features, is_linear_like
 from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 
-from .inspection import takes_argument, tensor_like
+from .inspection import describe_callable, takes_argument, tensor_like
 from .probe import quiet_state
-from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Variant, register_builtin_rule
+from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
 
 PROBE_TOKENS = (2, 16)
 
@@ -48,6 +50,14 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
         return None
     if not takes_argument(module, "labels"):
         return None
+    if not has_linear_weight(head):
+        return Skip(f"lm_head is a {type(head).__name__} standing in for a Linear (an adapter), whose weight alone "
+                    f"is not its product; the fused loss multiplies by the weight itself")
+    wrapper = module.__dict__.get("forward")
+    if hasattr(wrapper, "__wrapped__"):
+        return Skip(f"its forward is wrapped ({describe_callable(wrapper)}, e.g. by Accelerator.prepare's mixed "
+                    f"precision or a device-map hook), and the fused loss would bypass the wrapper; fuse before "
+                    f"wrapping")
     vocab = in_out_features(head)[1]
     _, device = tensor_like(module)
 

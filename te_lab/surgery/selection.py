@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from te_lab.modules.base import FusedModule
-from te_lab.modules.lm_head_loss import FusedLMHeadLoss
+from te_lab.modules.lm_head_loss import installed_lm_head_loss
 
 from .rules import FusionRule, Match, Skip, rules
 
@@ -89,7 +89,7 @@ def _match(rule: FusionRule, module: nn.Module):
 def already_fused(model: nn.Module) -> list[str]:
     """The paths of the modules in ``model`` that are te_lab twins (or run one as their forward)."""
     return [path for path, module in model.named_modules()
-            if isinstance(module, FusedModule) or isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)]
+            if isinstance(module, FusedModule) or installed_lm_head_loss(module) is not None]
 
 
 def find_candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
@@ -103,7 +103,7 @@ def find_candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
         if isinstance(module, FusedModule):
             fused_prefixes.append(path)
             continue
-        forward_fused = isinstance(module.__dict__.get("forward"), FusedLMHeadLoss)
+        forward_fused = installed_lm_head_loss(module) is not None
         results = []
         for rule in rules():
             if not selection.allows(rule, path):

@@ -1,8 +1,9 @@
 """Swaps and their undo: where a fused twin stands in for a module, recorded on the model.
 
 A :class:`Swap` puts a twin where its original stood (in every parent that holds the
-original, or, for the LM head + loss, as the model's ``forward``) and takes it out
-again. :func:`te_lab.fuse` records the swaps it made on the model (an attribute outside
+original, or, for the LM head + loss, as the model's ``forward``, which a wrapper such as
+accelerate's mixed precision may have wrapped since) and takes it out again.
+:func:`te_lab.fuse` records the swaps it made on the model (an attribute outside
 ``state_dict``), so :func:`unfuse` puts the very original module objects back, with
 whatever their weights learned while fused, :func:`unfused` does it for the length of a
 block, and :func:`fusions` tells tools such as the profiler what is installed.
@@ -17,7 +18,7 @@ from typing import Any, Iterable, Iterator
 from torch import nn
 
 from te_lab import distributed
-from te_lab.modules.lm_head_loss import FusedLMHeadLoss
+from te_lab.modules.lm_head_loss import FusedLMHeadLoss, installed_lm_head_loss
 
 from . import hooks, report as reports
 from .rules import rules
@@ -43,12 +44,12 @@ class Swap:
             for parent, name in self.sites:
                 parent._modules[name] = self.twin
         else:
-            self.original.forward = self.twin
+            self.twin.install()
 
     def is_installed(self) -> bool:
         if self.sites:
             return any(parent._modules.get(name) is self.twin for parent, name in self.sites)
-        return self.original.__dict__.get("forward") is self.twin
+        return installed_lm_head_loss(self.original) is self.twin
 
     def remove(self) -> None:
         restored = self.twin.restore_original()
