@@ -4,7 +4,9 @@
 real inputs, then takes the candidates top-down (:mod:`.selection`). For each it asks the
 selected rules in order; a :class:`~te_lab.surgery.rules.Match` offers fused twins, each
 probed against the module (forward and backward, docs/design.md's tolerances) on the
-module's captured inputs or on synthesized ones. The first twin within tolerance replaces
+module's captured inputs (the sample's first sequence, see :func:`.probe.probe_part`) or on
+synthesized ones, and judged by its error against the original run in float64. The first
+twin within that bar replaces
 the module in its parent (or, for the LM head + loss, is installed as the model's
 ``forward``); a module whose twins all miss stays as it is, and the report says by how
 much they missed. Modules inside a replaced one are covered by its twin.
@@ -28,13 +30,16 @@ from te_lab.options import check_backend
 from . import hooks, report as reports
 from .inspection import tensor_like
 from .probe import (
+    WHOLE_MODEL_PROBE_TOKENS,
     Difference,
     ProbeResult,
     capture_inputs,
     compare,
     inconclusive_reason,
     probe,
+    probe_part,
     quiet_state,
+    sample_shape,
     trainable_parameters,
 )
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
@@ -43,22 +48,39 @@ from .swaps import Swap, record_swaps, sites_of
 from .timing import median_times_ms
 
 
-def _progress(items: list, enabled: Optional[bool], description: str):
-    if enabled is False or not items:
-        return items
-    # tqdm.auto would import IPython outside a notebook; use it only where IPython runs.
-    if "IPython" in sys.modules:
-        from tqdm.auto import tqdm
-    else:
-        from tqdm import tqdm
-    return tqdm(items, desc=description, disable=None if enabled is None else False, leave=False)
+class _Progress:
+    """One bar over the phases of a fuse: capturing the sample's inputs, building and
+    probing each candidate, checking the whole model; the bar's text names the phase."""
+
+    def __init__(self, total: int, enabled: Optional[bool]):
+        self.bar = None
+        if enabled is False or total == 0:
+            return
+        # tqdm.auto would import IPython outside a notebook; use it only where IPython runs.
+        if "IPython" in sys.modules:
+            from tqdm.auto import tqdm
+        else:
+            from tqdm import tqdm
+        self.bar = tqdm(total=total, desc="te_lab.fuse", disable=None if enabled is None else False, leave=False)
+
+    def phase(self, description: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(f"te_lab.fuse: {description}")
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Fuser:
     def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, auto: bool, dry_run: bool,
-                 captured: dict[str, ProbeInputs], device: torch.device):
+                 captured: dict[str, ProbeInputs], sample_shape: Optional[tuple[int, int]], device: torch.device):
         self.model, self.options, self.verify, self.auto, self.dry_run = model, options, verify, auto, dry_run
-        self.captured, self.device = captured, device
+        self.captured, self.sample_shape, self.device = captured, sample_shape, device
         self.swaps: list[Swap] = []
         self.replaced: list[str] = []  # paths whose module a twin replaced (or would replace, in a dry run)
         self.current = ""  # the path being processed, for the message of an error or an interrupt
@@ -83,6 +105,14 @@ class _Fuser:
         if captured is not None:
             return (match.complete_inputs(captured) if match.complete_inputs else captured), "sample"
         return self._synthesized(match), "synthesized"
+
+    def _probed_part(self, inputs: ProbeInputs, match: Match) -> ProbeInputs:
+        """The part of the sample's inputs a probe runs on (:func:`.probe.probe_part`):
+        the first sequence, and for a whole-model probe at most ``WHOLE_MODEL_PROBE_TOKENS``."""
+        if self.sample_shape is None:
+            return inputs
+        return probe_part(inputs, *self.sample_shape,
+                          max_tokens=WHOLE_MODEL_PROBE_TOKENS if match.replaces_forward else None)
 
     def _synthesized(self, match: Match) -> ProbeInputs:
         with quiet_state([], self.device):  # a rule's random inputs leave the caller's RNG streams alone
@@ -130,6 +160,9 @@ class _Fuser:
             if result is not None:
                 row.output_max_abs, row.output_max_rel = result.output_max_abs, result.output_max_rel
                 row.grad_max_abs, row.grad_max_rel = result.grad_max_abs, result.grad_max_rel
+                row.original_output_max_abs = result.original_output_max_abs
+                row.original_grad_max_abs = result.original_grad_max_abs
+                row.truth = result.truth
             if self.auto:
                 with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
@@ -143,8 +176,10 @@ class _Fuser:
                     return row
             if result is not None:
                 # Kept with the twin, so tools that meet it later (the profiler) can show it.
-                twin.verification = (f"probe ({row.probe}): output max abs err {result.output_max_abs:.2g}, "
-                                     f"gradient max abs err {_or_dash(result.grad_max_abs)}")
+                against = "float64 truth" if result.truth == "float64" else "original"
+                twin.verification = (f"probe ({row.probe}) against the {against}: output max abs err "
+                                     f"{result.output_max_abs:.2g}, gradient max abs err "
+                                     f"{_or_dash(result.grad_max_abs)}")
             if not match.replaces_forward:
                 self.replaced.append(candidate.path)
             if self.dry_run:
@@ -158,10 +193,18 @@ class _Fuser:
         return None
 
     def _probe(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
+        part = self._probed_part(inputs, match)
+        result = self._probe_on(module, original, twin, part, match)
+        if part is not inputs and result.reason.startswith("probe raised"):
+            # the first sequence alone is not a call this module takes: probe the whole sample
+            result = self._probe_on(module, original, twin, inputs, match)
+        return result
+
+    def _probe_on(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
             with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
                 return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
-                             match.probe_outputs)
+                             match.probe_outputs, truth_roots=[module])
         except torch.OutOfMemoryError:
             raise  # the device's state, not the twin's verdict: fuse stops and undoes its swaps
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
@@ -245,24 +288,34 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     candidates = find_candidates(model, selection)
     captured, before = {}, None
     sample_inputs = None if sample is None else as_call_inputs(sample, "te_lab.fuse", "sample")
+    show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
+    bar = _Progress(len(candidates) + (2 if sample_inputs is not None else 0), show_progress)
     if sample_inputs is not None:
+        bar.phase("capturing the sample's inputs")
         try:
             captured, before = capture_inputs(model, sample_inputs, {c.path: c.module for c in candidates}, device)
         except Exception as error:
+            bar.close()
             raise ValueError(f"te_lab.fuse: running the model on sample failed: {type(error).__name__}: {error}") \
                 from error
-    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, dry_run, captured, device)
+        bar.step()
+    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, dry_run, captured,
+                   sample_shape(sample_inputs), device)
     rows = []
-    show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
     report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
     try:
-        for candidate in _progress(candidates, show_progress, "te_lab.fuse: probing"):
-            if any(candidate.path.startswith(p + ".") for p in fuser.replaced):
-                continue  # inside a module already replaced by a twin that covers it
-            rows.append(fuser.process(candidate))
+        for candidate in candidates:
+            bar.phase(f"building and probing {candidate.path or reports.ROOT_LABEL}")
+            if not any(candidate.path.startswith(p + ".") for p in fuser.replaced):
+                # (a module inside one already replaced is covered by that twin)
+                rows.append(fuser.process(candidate))
+            bar.step()
         if sample_inputs is not None and fuser.swaps:
             fuser.current = "the whole model's check"
+            bar.phase("checking the whole model")
             report.model_check = _model_check(model, sample_inputs, before, device)
+        if sample_inputs is not None:
+            bar.step()
     except BaseException as error:
         # An interrupt (the notebook's stop button), out of memory, a bug: never half fused.
         for swap in reversed(fuser.swaps):
@@ -270,6 +323,8 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         _annotate(error, f"te_lab.fuse: stopped by {type(error).__name__} while processing {fuser.current}; "
                          f"every swap it had made is undone, the model is as before")
         raise
+    finally:
+        bar.close()
     record_swaps(model, fuser.swaps)
     if dry_run:
         report.notes.append("dry run: nothing was swapped")

@@ -1,5 +1,9 @@
 """Probing: run an original module and its fused twin on the same inputs, forward and
-backward, and compare outputs, input gradients and parameter gradients.
+backward, and judge outputs, input gradients and parameter gradients by their errors
+against the original run in float64 (:mod:`.truth`): the twin passes where its error is
+within :func:`te_lab.kernels.precision.error_budget` of the original's own, row by row.
+Where the float64 run cannot be made, twin and original are compared with each other
+at the dtype's tolerance instead, and the result says why.
 
 A probe leaves no trace: gradients come from ``torch.autograd.grad`` (``.grad`` is
 never written), buffers are restored, every module runs in eval mode (dropout off, so
@@ -18,7 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from te_lab.inputs import ProbeInputs, call_with, output_tensors
-from te_lab.kernels.precision import TOLERANCES
+from te_lab.kernels.precision import ERROR_FACTOR, TOLERANCES, error_budget
+
+from .truth import float64_run, to_float64
 
 UPSTREAM_SEED = 0
 
@@ -83,11 +89,52 @@ def capture_inputs(model: nn.Module, sample: ProbeInputs, modules: dict[str, nn.
     return captured, output
 
 
+# A whole-model probe (the LM head + loss replaces the model's forward) runs on at most this
+# many tokens of the sample's first sequence: the loss over them checks the head's math over
+# the whole vocabulary, and the body's work stays a fraction of one training step.
+WHOLE_MODEL_PROBE_TOKENS = 128
+
+
+def sample_shape(sample: Optional[ProbeInputs]) -> Optional[tuple[int, int]]:
+    """(batch, sequence) of a sample whose first tensor is [batch, sequence, ...]
+    (token ids, or embeddings), or ``None``."""
+    first = next((v for v in [*(sample.args if sample else ()), *(sample.kwargs.values() if sample else ())]
+                  if isinstance(v, torch.Tensor)), None)
+    return (first.shape[0], first.shape[1]) if first is not None and first.dim() >= 2 else None
+
+
+def probe_part(inputs: ProbeInputs, batch: int, seq: int, max_tokens: Optional[int] = None) -> ProbeInputs:
+    """The first sequence of a module's captured inputs: every tensor of two or more
+    dimensions whose first is the sample's ``batch`` keeps its first row. A probe then costs
+    a fraction of the step it verifies, and the whole model's check after the swaps covers
+    the full sample. With ``max_tokens`` (a whole-model call), [batch, seq] tensors also
+    keep only their first ``max_tokens`` positions, a prefix a causal model computes the
+    same way. ``inputs`` itself where nothing would change."""
+    tokens = seq if max_tokens is None else min(seq, max_tokens)
+    if tokens != seq and any(isinstance(v, torch.Tensor) and v.dim() > 2 and seq in v.shape[1:]
+                             for v in [*inputs.args, *inputs.kwargs.values()]):
+        tokens = seq  # a [batch, ..., seq, ...] tensor (a 4-D mask, embeddings) would need cutting too
+    if batch == 1 and tokens == seq:
+        return inputs
+
+    def part(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == batch:
+            value = value[:1]
+            return value[:, :tokens] if value.dim() == 2 and value.shape[1] == seq else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(part(v) for v in value)
+        return value
+
+    return ProbeInputs(tuple(part(v) for v in inputs.args), {k: part(v) for k, v in inputs.kwargs.items()})
+
+
 @dataclass(frozen=True)
 class Difference:
     """How far one tensor is from its reference: max |a - b|, that over max |b|, and
     whether it is within the dtype's tolerance; ``failure`` says why not, and
-    ``inconclusive`` why the comparison proves nothing, where it does not."""
+    ``inconclusive`` why the comparison proves nothing, where it does not. Judged against
+    the float64 truth (:func:`judge`), the reference is the truth and
+    ``original_max_abs`` the unfused computation's own error."""
 
     name: str
     max_abs: float
@@ -97,6 +144,7 @@ class Difference:
     # Why the values compared prove nothing: the original's hold NaN or infinity.
     inconclusive: str = ""
     elements: int = 0
+    original_max_abs: Optional[float] = None
 
 
 def _tolerance_dtype(expected: Tensor) -> torch.dtype:
@@ -111,6 +159,74 @@ def _tolerance_dtype(expected: Tensor) -> torch.dtype:
     return expected.dtype
 
 
+def _comparable(name: str, actual: Optional[Tensor], expected: Optional[Tensor]):
+    """``(actual, expected, None)`` ready to compare (a missing gradient is zeros), or a
+    settled :class:`Difference` where there is nothing to compare or they cannot match."""
+    if actual is None and expected is None:
+        return None, None, Difference(name, 0.0, 0.0, True)
+    if actual is None or expected is None:
+        present = expected if actual is None else actual
+        actual = torch.zeros_like(present) if actual is None else actual
+        expected = torch.zeros_like(present) if expected is None else expected
+    if actual.shape != expected.shape:
+        return None, None, Difference(name, float("inf"), float("inf"), False,
+                                      f"{name} has shape {tuple(actual.shape)}, the original's {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        return None, None, Difference(name, float("inf"), float("inf"), False,
+                                      f"{name} has dtype {actual.dtype}, the original's {expected.dtype}")
+    if actual.numel() == 0:
+        return None, None, Difference(name, 0.0, 0.0, True)
+    return actual, expected, None
+
+
+def _dtype_label(tolerance_dtype: torch.dtype, expected: Tensor) -> str:
+    return str(tolerance_dtype).replace("torch.", "") + ("" if tolerance_dtype == expected.dtype else " (autocast)")
+
+
+def _rows(tensor: Tensor) -> Tensor:
+    """``tensor`` as rows over its last dimension (a token's features, a weight's inputs)."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() >= 2 else tensor.reshape(1, -1)
+
+
+def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true: Tensor) -> Difference:
+    """The twin's ``actual`` against the float64 ``true`` values, given the original's
+    ``expected`` in the working dtype: row by row (over the last dimension), the twin's
+    largest error may be :func:`~te_lab.kernels.precision.error_budget` of the
+    original's largest error in that row and the row's largest true value. Rows keep one
+    outlier channel from setting the bar for every token, and a row's maximum is a
+    stable measure of a dtype's rounding where one element's error is chance."""
+    actual, expected, settled = _comparable(name, actual, expected)
+    if settled is not None:
+        return settled
+    a, b, t = actual.detach().double(), expected.detach().double(), true.detach().double()
+    if t.shape != b.shape:
+        return compare(name, actual, expected)
+    if not (bool(torch.isfinite(t).all()) and bool(torch.isfinite(b).all())):
+        # errors against non-finite values prove nothing either way
+        return Difference(name, float("nan"), float("nan"), True, "", f"the original's {name} holds NaN or infinity",
+                          actual.numel())
+    twin_error = (a - t).abs().nan_to_num(float("inf"))
+    original_error = (b - t).abs().nan_to_num(float("inf"))
+    twin_rows, original_rows = _rows(twin_error).amax(1), _rows(original_error).amax(1)
+    true_rows = _rows(t.abs().nan_to_num(0.0)).amax(1)
+    tolerance_dtype = _tolerance_dtype(expected)
+    allowed = error_budget(original_rows, true_rows, tolerance_dtype)
+    excess = twin_rows - allowed
+    within = bool((excess <= 0).all())
+    max_abs, scale = float(twin_error.max()), float(true_rows.max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    failure = ""
+    if not within:
+        row = int(excess.argmax())
+        tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
+        failure = (f"{name} is {float(twin_rows[row]):.3g} from the float64 truth where the original's own error is "
+                   f"{float(original_rows[row]):.3g} (row {row} of {len(twin_rows)}); the "
+                   f"{_dtype_label(tolerance_dtype, expected)} bar is {ERROR_FACTOR:g} x the original's error + "
+                   f"{tolerance['atol']:g} + {tolerance['rtol']:g} x the row's largest value = "
+                   f"{float(allowed[row]):.3g}")
+    return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_error.max()))
+
+
 def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, normwise: bool = False) -> Difference:
     """Compare with docs/design.md's tolerance for ``expected``'s dtype (under autocast: the
     region's, see :func:`_tolerance_dtype`): element by element
@@ -118,20 +234,9 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
     (``max |a - b| <= atol + rtol * max |b|``). Gradients are sums over every token; an
     element whose terms nearly cancel carries the summation-order noise of the whole
     sum, which grows with the number of tokens, so gradients are compared normwise."""
-    if actual is None and expected is None:
-        return Difference(name, 0.0, 0.0, True)
-    if actual is None or expected is None:
-        present = expected if actual is None else actual
-        actual = torch.zeros_like(present) if actual is None else actual
-        expected = torch.zeros_like(present) if expected is None else expected
-    if actual.shape != expected.shape:
-        return Difference(name, float("inf"), float("inf"), False,
-                          f"{name} has shape {tuple(actual.shape)}, the original's {tuple(expected.shape)}")
-    if actual.dtype != expected.dtype:
-        return Difference(name, float("inf"), float("inf"), False,
-                          f"{name} has dtype {actual.dtype}, the original's {expected.dtype}")
-    if actual.numel() == 0:
-        return Difference(name, 0.0, 0.0, True)
+    actual, expected, settled = _comparable(name, actual, expected)
+    if settled is not None:
+        return settled
     a, b = actual.detach().double(), expected.detach().double()
     # NaN == NaN would make a broken twin agree with a broken original.
     inconclusive = "" if bool(torch.isfinite(b).all()) else f"the original's {name} holds NaN or infinity"
@@ -142,8 +247,7 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
     max_abs = float(error.max())
     scale = float(b.abs().nan_to_num(0.0).max())
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    dtype = str(tolerance_dtype).replace("torch.", "") + (
-        "" if tolerance_dtype == expected.dtype else " (autocast)")
+    dtype = _dtype_label(tolerance_dtype, expected)
     if normwise:
         allowed = tolerance["atol"] + tolerance["rtol"] * scale
         within = max_abs <= allowed and not bool(torch.isnan(a).ne(torch.isnan(b)).any())
@@ -159,8 +263,9 @@ def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """The verdict of one probe: worst output and gradient differences, and why it
-    failed or proved nothing when it did."""
+    """The verdict of one probe: the twin's worst output and gradient errors (against the
+    float64 truth, or against the original where ``truth`` says why there is none), the
+    original's own where there is a truth, and why it failed or proved nothing when it did."""
 
     passed: bool
     output_max_abs: float
@@ -170,6 +275,10 @@ class ProbeResult:
     reason: str = ""
     # Set when the probe compared nothing (see :func:`inconclusive_reason`); ``passed`` is then False.
     inconclusive: str = ""
+    original_output_max_abs: Optional[float] = None
+    original_grad_max_abs: Optional[float] = None
+    # "float64", or why the original could not run in float64 (the twin was then compared with it).
+    truth: str = "float64"
 
 
 def _argument_names(fn: Callable, inputs: ProbeInputs) -> list[str]:
@@ -233,10 +342,27 @@ def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[t
     return outputs, list(grads)
 
 
+def _float64_truth(original: Callable, inputs: ProbeInputs, constant: frozenset,
+                   parameters: list[tuple[str, nn.Parameter]], select: Callable[[Any], list[Tensor]],
+                   roots: Sequence[nn.Module]):
+    """Outputs and gradients of ``original`` run in float64 (see :mod:`.truth`), or
+    ``(None, None, why not)``."""
+    try:
+        with float64_run(roots):
+            wide = ProbeInputs(to_float64(inputs.args), to_float64(inputs.kwargs))
+            prepared, names = prepare(original, wide, constant)
+            outputs, grads = forward_backward(original, prepared, names, parameters, select)
+    except Exception as error:  # noqa: BLE001 - the verdict falls back to comparing with the original
+        return None, None, f"the original does not run in float64 ({type(error).__name__}: {error})"
+    return [t.detach() for t in outputs], [None if g is None else g.detach() for g in grads], ""
+
+
 def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[tuple[str, nn.Parameter]],
-          constant: frozenset, select: Optional[Callable[[Any], list[Tensor]]] = None) -> ProbeResult:
-    """Compare ``fused`` against ``original`` on ``inputs`` (see the module doc; the
-    caller holds :func:`quiet_state`)."""
+          constant: frozenset, select: Optional[Callable[[Any], list[Tensor]]] = None,
+          truth_roots: Sequence[nn.Module] = ()) -> ProbeResult:
+    """Judge ``fused`` against ``original`` on ``inputs`` (see the module doc; the caller
+    holds :func:`quiet_state`). ``truth_roots``: the modules whose parameters and buffers
+    the float64 run of ``original`` holds in float64 (none: compare with the original)."""
     select = select or output_tensors
     prepared, names = prepare(original, inputs, constant)
     expected, expected_grads = forward_backward(original, prepared, names, parameters, select)
@@ -245,10 +371,22 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
     if len(actual) != len(expected):
         return ProbeResult(False, float("inf"), float("inf"), None, None,
                            f"returns {len(actual)} tensor(s) where the original returns {len(expected)}")
-    outputs = [compare(f"output {i}" if len(expected) > 1 else "output", a, e)
-               for i, (a, e) in enumerate(zip(actual, expected))]
+    truth, truth_grads, no_truth = (None, None, "no float64 run was asked for") if not truth_roots else \
+        _float64_truth(original, inputs, constant, parameters, select, truth_roots)
+    if truth is not None and len(truth) != len(expected):
+        truth, truth_grads, no_truth = None, None, "the original's float64 run returns other outputs"
+
+    def verdict(name: str, a: Optional[Tensor], e: Optional[Tensor], true: Optional[Tensor], normwise: bool):
+        if truth is None or true is None:
+            return compare(name, a, e, normwise=normwise)
+        return judge(name, a, e, true)
+
+    output_names = [f"output {i}" if len(expected) > 1 else "output" for i in range(len(expected))]
+    outputs = [verdict(name, a, e, None if truth is None else truth[i], False)
+               for i, (name, a, e) in enumerate(zip(output_names, actual, expected))]
     grad_names = [f"grad of input {name}" for name, _ in names] + [f"grad of {name}" for name, _ in parameters]
-    grads = [compare(name, a, e, normwise=True) for name, a, e in zip(grad_names, actual_grads, expected_grads)]
+    grads = [verdict(name, a, e, None if truth_grads is None else truth_grads[i], True)
+             for i, (name, a, e) in enumerate(zip(grad_names, actual_grads, expected_grads))]
     failures = [d for d in outputs + grads if not d.within_tolerance]
     worst_out = max(outputs, key=lambda d: d.max_abs, default=Difference("output", 0.0, 0.0, True))
     worst_grad = max(grads, key=lambda d: d.max_abs, default=None)
@@ -256,7 +394,14 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
     reason = failures[0].failure if failures else (f"probe inconclusive: {vacuous}" if vacuous else "")
     return ProbeResult(not failures and not vacuous, worst_out.max_abs, worst_out.max_rel,
                        None if worst_grad is None else worst_grad.max_abs,
-                       None if worst_grad is None else worst_grad.max_rel, reason, vacuous)
+                       None if worst_grad is None else worst_grad.max_rel, reason, vacuous,
+                       _largest(d.original_max_abs for d in outputs), _largest(d.original_max_abs for d in grads),
+                       "float64" if truth is not None else no_truth)
+
+
+def _largest(values) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def inconclusive_reason(outputs: list[Difference], others: Sequence[Difference] = ()) -> str:

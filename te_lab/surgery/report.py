@@ -19,9 +19,11 @@ ROOT_LABEL = "(model)"
 
 @dataclass
 class FusionRow:
-    """One candidate. Errors are the worst max-abs / max-relative differences of the
-    fused twin against the original on the probe (outputs; input and parameter
-    gradients); ``probe`` says where its inputs came from (``sample``, ``synthesized``;
+    """One candidate. Errors are the fused twin's worst max-abs / max-relative errors on the
+    probe (outputs; input and parameter gradients) against the original run in float64
+    (``truth == "float64"``; the ``original_*`` fields hold the original's own errors in
+    its dtype), or against the original where ``truth`` says why there was no float64 run;
+    ``probe`` says where its inputs came from (``sample``, ``synthesized``;
     a fused row verified on synthesized inputs because the sample's probe compared
     nothing says why in ``reason``). ``speedup`` (original time
     / fused time, forward + backward, medians) is measured with ``fuse(auto=True)``."""
@@ -41,6 +43,11 @@ class FusionRow:
     output_max_rel: Optional[float] = None
     grad_max_abs: Optional[float] = None
     grad_max_rel: Optional[float] = None
+    # The original's own errors against the float64 truth (the bar the twin's are judged by),
+    # and "float64" or why the probe compared the twin with the original instead.
+    original_output_max_abs: Optional[float] = None
+    original_grad_max_abs: Optional[float] = None
+    truth: str = ""
     time_original_ms: Optional[float] = None
     time_fused_ms: Optional[float] = None
     speedup: Optional[float] = None
