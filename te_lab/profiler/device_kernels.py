@@ -7,8 +7,8 @@ Device activity is what runs on a device stream: kernels, memcpys and memsets. K
 carry their launch grid and CUPTI's estimated occupancy in their metadata ("grid", "est.
 achieved occupancy %"), and each device activity shares a correlation id with the runtime
 or driver call that queued it. A trace without those fields gives ``None`` for the figure,
-never a guess. Checked on real A100 and MI250 traces (``tests/data/gpu-traces``) and
-against Holistic Trace Analysis' temporal breakdown; no GPU has run the live path yet.
+never a guess. Checked on real A100 and MI250 traces (``tests/data/gpu-traces``); these are
+te_lab's definitions (HTA's differ: :mod:`.temporal_breakdown`). No GPU has run the live path yet.
 """
 
 from __future__ import annotations

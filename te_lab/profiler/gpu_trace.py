@@ -9,7 +9,12 @@ kernels and their figures (:func:`~te_lab.profiler.device_kernels.device_figures
 
 - over the whole trace, from its first to its last device activity (mode ``"trace"``);
 - per ``ProfilerStep#N`` the trace marks: the device activity queued during the step's
-  host interval, from its first to its last (mode ``"ProfilerStep#N"``).
+  host interval, from its first to its last (mode ``"ProfilerStep#N"``);
+- Holistic Trace Analysis' temporal breakdown by HTA's own definitions (mode ``"HTA
+  temporal breakdown"``, :mod:`~te_lab.profiler.temporal_breakdown`): idle, compute and
+  non-compute over HTA's span, which leaves out the last ProfilerStep and counts CUDA's
+  sync events, so its idle share differs from ``1 - device busy`` by a point or two on
+  real multi-step traces.
 
 A kernel's phase and module path in the timeline come from the host intervals around the
 call that queued it: autograd's ``evaluate_function`` (backward), ``Optimizer.step``
@@ -31,6 +36,7 @@ from .device_kernels import DeviceKernel, device_figures, device_kernels
 from .kineto import HOST_OP_KINDS, Activity, file_activities
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Figure, TimelineEvent
+from .temporal_breakdown import breakdown_figures, temporal_breakdown
 
 TRACE_MODE = "trace"
 _STEP = re.compile(r"^ProfilerStep#\d+$")
@@ -145,6 +151,7 @@ def open_trace(path, *, multiprocessors: Optional[int] = None) -> GpuTrace:
         trace.notes.append("the trace's deviceProperties give no numSms: SM efficiency is unknown (pass "
                            "multiprocessors=)")
     trace.figures = trace_figures(kernels, trace.steps, multiprocessors)
+    trace.figures += breakdown_figures(temporal_breakdown(activities))
     trace.timeline = _timeline(kernels, activities)
     return trace
 
@@ -152,7 +159,8 @@ def open_trace(path, *, multiprocessors: Optional[int] = None) -> GpuTrace:
 def trace_figures(kernels: list[DeviceKernel], steps: list[Step], multiprocessors: Optional[int]) -> list[Figure]:
     """The figures over the whole trace, then over each step's device activity."""
     figures = device_figures(kernels, _first_start(kernels), _last_end(kernels), multiprocessors, TRACE_MODE,
-                             "the span from the first to the last device activity")
+                             "the span from the first to the last device activity (te_lab's definition: every "
+                             "step, kernels, memcpy and memset; HTA's temporal breakdown is its own mode)")
     for step in steps:
         queued = [k for k in kernels if step.start_ns <= _queued_ns(k) <= step.end_ns]
         figures += device_figures(queued, _first_start(queued), _last_end(queued), multiprocessors, step.name,
