@@ -11,6 +11,16 @@ additive float mask or a boolean mask (True = attend) broadcastable to
 [batch, heads_q, seq_q, seq_k]; it takes no gradient. A query row whose every key is
 masked gives zeros (SDPA's convention) on the fused backends, NaN in the explicit formula.
 
+Attention sinks (gpt-oss): ``sinks`` holds one logit per query head that joins every
+row's softmax denominator without a value, ``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) +
+exp(sink))``. The fused backends apply them around their kernels: with the kernel's
+log-sum-exp ``lse``, ``out = out_kernel * sigmoid(lse - sink)`` and the row's true
+log-sum-exp is ``logaddexp(lse, sink)``. Handing that output and log-sum-exp to the
+unchanged backward kernels gives dq, dk and dv exactly (they recompute P = exp(S - lse)
+and delta = rowsum(dO * O)), and ``dsink = -sum_rows exp(sink - lse) * delta``.
+Logit soft-capping (Gemma 2), ``scores = softcap * tanh(scores / softcap)``, runs on the
+reference only: no fused kernel applies a function to the scores.
+
 Backends: ``triton`` (GPUs) and ``native``, which on the CPU calls ATen's flash-attention
 kernels forward and backward (what SDPA runs, the CPU default) and elsewhere calls
 ``F.scaled_dot_product_attention`` with its own autograd; ``reference`` is the formula.
@@ -54,26 +64,52 @@ def _repeat_kv(k: Tensor, v: Tensor, heads_q: int) -> tuple[Tensor, Tensor]:
 
 
 def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Optional[Tensor],
-                        scale: float, dropout_p: float) -> Tensor:
+                        scale: float, dropout_p: float, sinks: Optional[Tensor] = None,
+                        softcap: Optional[float] = None) -> Tensor:
     k, v = _repeat_kv(k, v, q.shape[1])
     acc = compute_dtype(q)
     scores = q.to(acc) @ k.to(acc).transpose(-2, -1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(acc)
     if causal:
         above_diagonal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(above_diagonal, -math.inf)
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        # One more column per row: the sink's logit, whose value is zero.
+        sink_column = sinks.to(acc).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return (probs @ v.to(acc)).to(q.dtype)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                        mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
+                        mask: Optional[Tensor] = None, scale: Optional[float] = None,
+                        sinks: Optional[Tensor] = None, softcap: Optional[float] = None) -> Tensor:
     """The unfused PyTorch math: the truth every backend is compared against."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _explicit_attention(q, k, v, causal, mask, scale, 0.0)
+    return _explicit_attention(q, k, v, causal, mask, scale, 0.0, sinks, softcap)
+
+
+# ---- attention sinks around any backend's kernels (see the module doc) ----
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The kernel's output and log-sum-exp with each head's sink in the denominator."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    kept = torch.sigmoid(lse - sink)  # exp(lse) / (exp(lse) + exp(sink)); 0 for rows with no key
+    return (out * kept.unsqueeze(-1).to(out.dtype)), torch.logaddexp(lse, sink)
+
+
+def _sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sink: -sum over rows of P(sink) * rowsum(dO * O), per head."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse) * delta).sum((0, 2)).to(sinks.dtype)
 
 
 # ---- the layout of the fused outputs ----
@@ -552,43 +588,47 @@ ATTENTION = register_op(FusedOp(
 # ---- the torch.library custom ops: what torch.compile and the profiler see ----
 
 @custom_op("te_lab::attention")
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float,
-                  backend: str) -> tuple[Tensor, Tensor]:
-    out, lse = _IMPLEMENTATIONS[backend].forward(q, k, v, mask, causal, scale)
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sinks: Optional[Tensor], causal: bool,
+                  scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    out, lse = _with_sinks(*_IMPLEMENTATIONS[backend].forward(q, k, v, mask, causal, scale), sinks)
     return _as_seq_major(out), _as_seq_major(lse)
 
 
 @_attention_op.register_fake
-def _(q, k, v, mask, causal, scale, backend):
+def _(q, k, v, mask, sinks, causal, scale, backend):
     return _seq_major_empty(q.shape, q), _seq_major_empty(q.shape[:-1], q, compute_dtype(q))
 
 
 @custom_op("te_lab::attention_backward")
-def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
-                           lse: Tensor, causal: bool, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                           sinks: Optional[Tensor], out: Tensor, lse: Tensor, causal: bool, scale: float,
+                           backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = _IMPLEMENTATIONS[backend].backward(dout, q, k, v, mask, out, lse, causal, scale)
-    return tuple(_as_seq_major(grad) for grad in grads)
+    dsinks = q.new_empty(0) if sinks is None else _sinks_grad(dout, out, lse, sinks)
+    return (*(_as_seq_major(grad) for grad in grads), dsinks)
 
 
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, mask, out, lse, causal, scale, backend):
-    return _seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v)
+def _(dout, q, k, v, mask, sinks, out, lse, causal, scale, backend):
+    return (_seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, causal, scale, backend = inputs
+    q, k, v, mask, sinks, causal, scale, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.save_for_backward(q, k, v, mask, sinks, out, lse)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
     ctx.set_materialize_grads(False)  # the log-sum-exp takes no gradient: no zeros for it
 
 
 def _backward(ctx, dout, _dlse):
     if dout is None:
-        return None, None, None, None, None, None, None
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(dout, q, k, v, mask, out, lse, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+        return None, None, None, None, None, None, None, None
+    q, k, v, mask, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, dsinks = _attention_backward_op(dout, q, k, v, mask, sinks, out, lse, ctx.causal, ctx.scale,
+                                                ctx.backend)
+    return dq, dk, dv, None, (None if sinks is None else dsinks), None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -638,7 +678,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> No
                          f"[batch, heads_q, seq_q, seq_k] = {list(full)}")
 
 
-def _check_options(causal, scale, dropout_p) -> None:
+def _check_options(causal, scale, dropout_p, softcap) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"{NAME}: causal must be a bool, got {causal!r}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -647,24 +687,52 @@ def _check_options(causal, scale, dropout_p) -> None:
                          f"got {scale!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"{NAME}: dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"{NAME}: softcap must be a positive finite number or None (no capping), got {softcap!r}")
 
 
-def _choose_backend(q: Tensor, dropout_p: float, requested: Optional[str]) -> str:
-    """The registry's choice, except that a call the triton kernels refuse (dropout,
-    float64, very wide heads) goes to ``native`` when triton was picked automatically;
-    a forced triton refuses it with an error."""
+def _check_sinks(sinks: Optional[Tensor], q: Tensor) -> None:
+    if sinks is None:
+        return
+    check_tensor(NAME, "sinks", sinks)
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{NAME}: sinks has shape {tuple(sinks.shape)}; expected [{q.shape[1]}], one logit "
+                         f"per query head")
+    if sinks.device != q.device:
+        raise ValueError(f"{NAME}: sinks is on {sinks.device}; expected {q.device} like q")
+
+
+def _refusal(chosen: str, q: Tensor, dropout_p: float, sinks: Optional[Tensor], softcap: Optional[float]):
+    """Why backend ``chosen`` cannot run this call, or None when it can."""
+    if chosen != "reference" and softcap is not None:
+        return "logit soft-capping (softcap) runs on the reference only"
+    if chosen == "triton":
+        return _triton_refusal(q, dropout_p)
+    if chosen == "native" and sinks is not None and (dropout_p > 0 or not _cpu_flash(q.device.type)):
+        return "attention sinks need the kernels' log-sum-exp, which SDPA (with dropout or off the CPU) does not give"
+    return None
+
+
+def _choose_backend(q: Tensor, dropout_p: float, sinks: Optional[Tensor], softcap: Optional[float],
+                    requested: Optional[str]) -> str:
+    """The registry's choice, except that a call the chosen backend refuses (triton:
+    dropout, float64, very wide heads; any fused backend: soft-capping; native: sinks
+    through SDPA) goes to ``native``, or where that refuses too to ``reference``, when the
+    backend was picked automatically; a forced backend refuses it with an error."""
     chosen = select_backend(ATTENTION, q.device, requested)
-    refusal = _triton_refusal(q, dropout_p) if chosen == "triton" else None
+    refusal = _refusal(chosen, q, dropout_p, sinks, softcap)
     if refusal is None:
         return chosen
     forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(ATTENTION)
-    if forced == "triton":
-        raise ValueError(f"{NAME}: backend 'triton' (from {source}) cannot run this call: {refusal}")
-    return "native"
+    if forced == chosen:
+        raise ValueError(f"{NAME}: backend {chosen!r} (from {source}) cannot run this call: {refusal}")
+    return "native" if _refusal("native", q, dropout_p, sinks, softcap) is None else "reference"
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask: Optional[Tensor] = None,
-              scale: Optional[float] = None, dropout_p: float = 0.0, backend: Optional[str] = None) -> Tensor:
+              scale: Optional[float] = None, dropout_p: float = 0.0, sinks: Optional[Tensor] = None,
+              softcap: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
     """softmax(q @ k^T * scale + mask) @ v over [batch, heads, seq, head_dim] tensors.
 
     k and v may have fewer heads than q (GQA/MQA; heads_q must be a multiple of
@@ -672,20 +740,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask: Op
     additive float mask or a boolean mask (True = attend) broadcastable to
     [batch, heads_q, seq_q, seq_k]; it takes no gradient. ``scale`` defaults to
     1/sqrt(head_dim). ``dropout_p`` > 0 runs on ``native`` (SDPA) or ``reference``;
-    the triton kernels refuse it. ``backend`` forces ``"triton"``, ``"native"`` or
-    ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    the triton kernels refuse it. ``sinks`` ([heads_q], trainable) are attention-sink
+    logits in every row's softmax denominator (gpt-oss); ``softcap`` caps the scores at
+    ``softcap * tanh(scores / softcap)`` (Gemma 2), on the reference only. ``backend``
+    forces ``"triton"``, ``"native"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     _check_inputs(q, k, v, mask)
-    _check_options(causal, scale, dropout_p)
+    _check_options(causal, scale, dropout_p, softcap)
+    _check_sinks(sinks, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
     mask = None if mask is None else mask.detach()
-    chosen = _choose_backend(q, dropout_p, backend)
+    chosen = _choose_backend(q, dropout_p, sinks, softcap, backend)
     if chosen == "reference":
-        return _explicit_attention(q, k, v, causal, mask, scale, dropout_p)
+        return _explicit_attention(q, k, v, causal, mask, scale, dropout_p, sinks, softcap)
     if chosen == "native" and (dropout_p > 0 or not _cpu_flash(q.device.type)):
         # SDPA with its own autograd: its backward replays the dropout pattern it drew,
         # and on CUDA/MUSA it pairs each kernel SDPA picks with that kernel's backward
         # (a custom op's backward runs below autograd and could only recompute the forward).
         return _sdpa(q, k, v, mask, causal, scale, float(dropout_p))
-    out, _ = _attention_op(q, k, v, mask, causal, scale, chosen)
+    out, _ = _attention_op(q, k, v, mask, sinks, causal, scale, chosen)
     return out

@@ -362,11 +362,14 @@ def test_custom_ops_pass_opcheck(backend):
     real ones (Inductor asserts them), for the op and its backward."""
     q, k, v, mask = _inputs(2, 4, 2, 19, 19, 16, "pad-bool", torch.float32)
     q, k, v = (leaf(t) for t in (q, k, v))
-    torch.library.opcheck(torch.ops.te_lab.attention, (q, k, v, mask, True, 0.25, backend))
-    q, k, v = (t.detach() for t in (q, k, v))  # the backward op has no backward of its own
-    out, lse = torch.ops.te_lab.attention(q, k, v, mask, True, 0.25, backend)
-    torch.library.opcheck(torch.ops.te_lab.attention_backward,
-                          (torch.randn_like(out), q, k, v, mask, out, lse, True, 0.25, backend))
+    sinks = leaf(torch.randn(4, device=DEVICE))
+    for with_sinks in (None, sinks):
+        torch.library.opcheck(torch.ops.te_lab.attention, (q, k, v, mask, with_sinks, True, 0.25, backend))
+    q, k, v, sinks = (t.detach() for t in (q, k, v, sinks))  # the backward op has no backward of its own
+    for with_sinks in (None, sinks):
+        out, lse = torch.ops.te_lab.attention(q, k, v, mask, with_sinks, True, 0.25, backend)
+        torch.library.opcheck(torch.ops.te_lab.attention_backward,
+                              (torch.randn_like(out), q, k, v, mask, with_sinks, out, lse, True, 0.25, backend))
 
 
 def test_output_layout_makes_merging_heads_free():
@@ -405,10 +408,13 @@ def test_calls_an_automatic_triton_refuses_go_to_native(monkeypatch):
     heads too wide) goes to native instead of failing."""
     monkeypatch.setattr(attention_module, "select_backend", lambda op, device, requested=None: "triton")
     q = torch.zeros(1, 1, 1, 16)
-    assert attention_module._choose_backend(q, 0.1, None) == "native"
-    assert attention_module._choose_backend(q.double(), 0.0, None) == "native"
-    assert attention_module._choose_backend(torch.zeros(1, 1, 1, 160), 0.0, None) == "native"
-    assert attention_module._choose_backend(q, 0.0, None) == "triton"
+    assert attention_module._choose_backend(q, 0.1, None, None, None) == "native"
+    assert attention_module._choose_backend(q.double(), 0.0, None, None, None) == "native"
+    assert attention_module._choose_backend(torch.zeros(1, 1, 1, 160), 0.0, None, None, None) == "native"
+    assert attention_module._choose_backend(q, 0.0, None, None, None) == "triton"
+    # Soft-capping has no fused kernel; sinks with dropout need the log-sum-exp SDPA does not give.
+    assert attention_module._choose_backend(q, 0.0, None, 30.0, None) == "reference"
+    assert attention_module._choose_backend(q, 0.1, torch.zeros(1), None, None) == "reference"
 
 
 @pytest.mark.parametrize("backend", TRITON)
@@ -463,6 +469,10 @@ def _bad(**overrides):
         (_bad(scale=-1.0), ValueError, ["attention", "scale", "-1.0", "positive"]),
         (_bad(causal=1), TypeError, ["attention", "causal", "bool"]),
         (_bad(backend="flash"), ValueError, ["attention", "backend", "'flash'"]),
+        (_bad(sinks=torch.zeros(2)), ValueError, ["attention", "sinks", "(2,)", "[4]", "per query head"]),
+        (_bad(sinks=torch.zeros(4, dtype=torch.int64)), TypeError, ["attention", "sinks", "int64"]),
+        (_bad(softcap=0.0), ValueError, ["attention", "softcap", "0.0", "positive"]),
+        (_bad(softcap=30.0, backend="native"), ValueError, ["attention", "'native'", "soft-capping"]),
     ],
 )
 def test_bad_input_names_the_argument(arguments, error, words):
@@ -470,3 +480,78 @@ def test_bad_input_names_the_argument(arguments, error, words):
         attention(**arguments)
     for word in words:
         assert word in str(raised.value)
+
+
+# ---- attention sinks and logit soft-capping ----
+
+
+def _explicit_with_sinks_and_softcap(q, k, v, causal, mask, scale, sinks, softcap):
+    """gpt-oss's and Gemma 2's eager formulas, written out in float64 independently of te_lab:
+    capped scores, the sink as one more softmax column whose value is zero."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores + (mask.double() if mask.is_floating_point()
+                           else torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf))
+    if causal:
+        seq_q, seq_k = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(seq_q, seq_k, dtype=torch.bool).triu(1), -math.inf)
+    if sinks is not None:
+        column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat((scores, column), -1).softmax(-1)[..., :-1] @ v
+    return scores.softmax(-1) @ v
+
+
+def _run_with_sinks(fn, q, k, v, sinks, **kwargs):
+    q, k, v, sinks = (leaf(t) for t in (q, k, v, sinks))
+    out = fn(q, k, v, sinks=sinks, **kwargs)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device, out.dtype)
+    return (out, *torch.autograd.grad(out, (q, k, v, sinks), upstream))
+
+
+@pytest.mark.parametrize("mask_kind", [None, "pad-add", "full-bool"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_sinks_match_the_formula_with_a_sink_column(backend, mask_kind):
+    """Sinks of real scale (gpt-oss's are O(1) logits against scores of a few units):
+    the output and the gradients of q, k, v and the sinks, on every backend."""
+    q, k, v, mask = _inputs(2, 4, 2, 23, 23, 16, mask_kind, torch.float32)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)
+    got = _run_with_sinks(lambda *a, **kw: attention(*a, **kw, backend=backend), q, k, v, sinks,
+                          causal=True, mask=mask, scale=0.3)
+    want = _run_with_sinks(attention_reference, q, k, v, sinks, causal=True, mask=mask, scale=0.3)
+    exact = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.3, sinks, None)
+    torch.testing.assert_close(want[0].double(), exact, rtol=1e-5, atol=1e-6)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        # dsinks sums over every query row of the batch (46 per head): the scale-wise 1e-4 of docs/design.md
+        assert_close(g, w, **(dict(rtol=1e-4, atol=1e-4) if name == "dsinks" else {})), name
+
+
+def test_sinks_shrink_every_row_and_a_very_negative_sink_changes_nothing():
+    q, k, v, _ = _inputs(1, 2, 2, 9, 9, 16, None, torch.float32)
+    plain = attention(q, k, v, causal=True)
+    assert_close(attention(q, k, v, causal=True, sinks=torch.full((2,), -1e4)), plain)
+    sunk = attention(q, k, v, causal=True, sinks=torch.full((2,), 3.0))
+    # The sink takes part of every row's probability mass and gives it to a zero value.
+    assert (sunk.norm(dim=-1) < plain.norm(dim=-1)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_capped_attention_is_the_capped_formula(backend):
+    """Scores of up to ~60 capped at 20: the cap changes the result, and every backend
+    computes it (the fused ones through the reference when chosen automatically)."""
+    q, k, v, mask = _inputs(1, 4, 2, 17, 17, 16, "pad-add", torch.float32)
+    q = q * 4
+    exact = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.5, None, 20.0)
+    uncapped = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.5, None, None)
+    assert (exact - uncapped).abs().max() > 0.1
+    if backend == "reference":
+        got = attention(q, k, v, causal=True, mask=mask, scale=0.5, softcap=20.0, backend=backend)
+    else:
+        with pytest.raises(ValueError, match="soft-capping"):
+            attention(q, k, v, causal=True, mask=mask, scale=0.5, softcap=20.0, backend=backend)
+        got = attention(q, k, v, causal=True, mask=mask, scale=0.5, softcap=20.0)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)

@@ -2,27 +2,38 @@
 of q and k is one pass (``apply_rotary``), and softmax attention is the block-wise
 kernel that never holds the score matrix (``attention``).
 
-- :class:`FusedAttention`: separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``
-  (Llama, Mistral, Qwen2, te_lab's demo Llama), RoPE from ``position_embeddings``
-  ``(cos, sin)``, grouped-query heads.
+- :class:`FusedAttention`: q/k/v projections, separate (``q_proj``/``k_proj``/``v_proj``:
+  Llama, Mistral, Qwen, Gemma, OLMo, gpt-oss, ...) or one ``[q | k | v]`` projection with
+  grouped-query widths (Phi-3's ``qkv_proj``), and an output projection; RoPE from
+  ``position_embeddings`` ``(cos, sin)`` in any of :data:`ROTARY_STYLES`, over all or the
+  first dims of each head (partial rotary: the tables' width says how many); optional
+  q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2), attention sinks (gpt-oss), logit
+  soft-capping (Gemma 2), q/k/v clipping (OLMo) and output dropout (Starcoder2).
 - :class:`FusedQKVAttention`: one ``c_attn`` projection giving ``[q | k | v]`` and a
   ``c_proj`` (GPT-2, te_lab's demo GPT-2), no RoPE.
 
 Calls are read by parameter name against the original's signature. A call the fused
 path does not cover (cross-attention, head masks, requested attention weights, a
-non-tensor mask, multi-token decoding against a cache without a mask) is handed to the
-original module unchanged. Masks follow Hugging Face's convention: ``None`` means
-causal (when the module is causal), otherwise the given additive or boolean mask.
+non-tensor or 2-D mask, an attention implementation other than SDPA or eager) is handed
+to the original module unchanged. Masks follow Hugging Face's convention: the given
+additive or boolean mask (sliding windows and padding are in it), or with ``None`` what
+the original's implementation does then: causal over a multi-token query under SDPA
+(top-left aligned, also against a cache), nothing under eager. A KV cache (Hugging
+Face's ``DynamicCache``, ``StaticCache`` and their sliding-window layers) is updated
+with the rotated keys and the values, as the original does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from te_lab.kernels.attention import ATTENTION, attention
 from te_lab.kernels.linear import LINEAR
+from te_lab.kernels.rms_norm import RMS_NORM, rms_norm
 from te_lab.kernels.rope import ROPE, apply_rotary
 
 from .base import FusedModule
@@ -33,6 +44,19 @@ from .projection import linear_ops, project
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Arguments whose presence (not None / not False) the fused path does not cover.
 UNCOVERED_ARGUMENTS = ("encoder_hidden_states", "head_mask", "output_attentions")
+# Hugging Face attention implementations whose math the fused path reproduces (None: a
+# module without a config, such as te_lab's demo models, which call SDPA).
+COVERED_IMPLEMENTATIONS = (None, "sdpa", "eager")
+# How a twin rotates q and k, and in which order the tables come: Hugging Face's
+# rotate-half pairs (i, i + d/2) with a table value per dim (Llama); the same pairs with
+# one value per pair, tables half as wide (gpt-oss); interleaved pairs (2i, 2i + 1) with
+# per-dim tables in that order (Cohere); interleaved pairs with rotate-half tables, whose
+# first half is repeated pairwise (GLM-4); or no rotation (layers without RoPE: SmolLM3,
+# EXAONE 4's global layers).
+ROTARY_STYLES = ("rotate_half", "rotate_half_pair_tables", "interleaved", "interleaved_rotate_half_tables", "none")
+# Where q/k norms apply: over each head's dims (Qwen3, Gemma 3, Cohere) or over the whole
+# projection output before it is split into heads (OLMo 2).
+QK_NORM_SCOPES = ("head", "projection")
 
 
 class _FusedSelfAttention(FusedModule):
@@ -54,29 +78,30 @@ class _FusedSelfAttention(FusedModule):
         self.original.training = self.training  # the children are shared and already in this mode
         return self.original(*args, **kwargs)
 
+    def _implementation(self) -> Optional[str]:
+        # Read per call: a user may switch config._attn_implementation after fusing.
+        return getattr(getattr(self.original, "config", None), "_attn_implementation", None)
+
     @staticmethod
     def _cache(named: dict[str, Any]):
         cache = next((named[name] for name in CACHE_ARGUMENTS if named.get(name) is not None), None)
         # Encoder-decoder caches hold the self-attention cache inside.
         return getattr(cache, "self_attention_cache", cache)
 
-    def _covers(self, named: dict[str, Any], query_length: int) -> bool:
+    def _covers(self, named: dict[str, Any]) -> bool:
         """Whether the fused path computes exactly what the original would for this call."""
         if any(named.get(name) not in (None, False) for name in UNCOVERED_ARGUMENTS):
             return False
+        if self._implementation() not in COVERED_IMPLEMENTATIONS:
+            return False  # flash-attention and flex layouts: 2-D masks, bottom-right causality
         mask = named.get("attention_mask")
         if mask is not None and (not isinstance(mask, Tensor) or mask.dim() != 4):
             return False  # block masks and 2-D padding masks (flash-attention layouts)
         cache = self._cache(named)
-        if cache is not None:
-            if self.layer_idx is None or not hasattr(cache, "update"):
-                return False
-            # With earlier tokens cached and no mask, the causal diagonal is offset.
-            if mask is None and query_length > 1 and cache.get_seq_length(self.layer_idx) > 0:
-                return False
-        return True
+        return cache is None or (self.layer_idx is not None and hasattr(cache, "update"))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, named: dict[str, Any]) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, named: dict[str, Any], sinks: Optional[Tensor] = None,
+                softcap: Optional[float] = None) -> Tensor:
         """q/k/v [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]."""
         cache = self._cache(named)
         if cache is not None:
@@ -86,12 +111,17 @@ class _FusedSelfAttention(FusedModule):
         if mask is not None:
             mask = mask[..., : k.shape[-2]]
         elif q.shape[-2] > 1:
-            causal = self.is_causal
+            # Without a mask SDPA is causal (top-left aligned) and eager masks nothing.
+            causal = self.is_causal and self._implementation() != "eager"
         out = attention(q, k, v, causal=causal, mask=mask, scale=self.scaling,
-                        dropout_p=self.dropout_p if self.training else 0.0,
-                        backend=self.backend_for(ATTENTION) if self.fused_attention else "reference")
+                        dropout_p=self.dropout_p if self.training else 0.0, sinks=sinks, softcap=softcap,
+                        backend=self.backend_for(ATTENTION) if self._attention_is_fused else "reference")
         batch, _, seq, _ = q.shape
         return out.transpose(1, 2).reshape(batch, seq, -1)
+
+    @property
+    def _attention_is_fused(self) -> bool:
+        return self.fused_attention
 
     def _project(self, name: str, x: Tensor) -> Tensor:
         # The projections' GEMMs join the fusion with the attention (not under only="rope").
@@ -110,35 +140,115 @@ class _FusedSelfAttention(FusedModule):
 
 
 class FusedAttention(_FusedSelfAttention):
-    """Separate q/k/v/o projections with RoPE. ``fused_rope=False`` keeps the rotation
+    """q/k/v and output projections with RoPE.
+
+    ``projections``: ``(q, k, v, out)`` child names, or ``(qkv, out)`` for one projection
+    whose output is ``[q | k | v]`` (``num_heads`` and ``num_kv_heads`` heads wide).
+    ``rotary``: one of :data:`ROTARY_STYLES`. ``qk_norms``: the ``(q, k)`` norm children,
+    applied over each head or the whole projection (``qk_norm_scope``); with
+    ``qk_rms_norms`` (``(eps, weight_offset)`` of each, found by the rule) they run as
+    te_lab's ``rms_norm`` on the children's weights, else the children are called. ``sinks``: the name
+    of a per-head Parameter of attention-sink logits. ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` (no fused kernel has it: the attention then runs
+    te_lab's reference math, and the twin does not list the attention op). ``clip_qkv``:
+    q, k and v are clamped to +-clip_qkv after projecting. ``output_dropout``: dropout
+    after the output projection while training. ``fused_rope=False`` keeps the rotation
     and ``fused_attention=False`` the softmax attention on te_lab's reference math, for
     ``fuse(exclude=["rope"])`` and ``fuse(only=["rope"])``."""
 
-    def __init__(self, original: nn.Module, *, projections: tuple[str, str, str, str], fused_rope: bool = True,
-                 **options):
+    def __init__(self, original: nn.Module, *, projections: tuple[str, ...], rotary: str = "rotate_half",
+                 qk_norms: Optional[tuple[str, str]] = None, qk_norm_scope: str = "head",
+                 qk_rms_norms: Optional[tuple[tuple[float, float], tuple[float, float]]] = None,
+                 sinks: Optional[str] = None, softcap: Optional[float] = None, clip_qkv: Optional[float] = None,
+                 output_dropout: float = 0.0, fused_rope: bool = True, **options):
         super().__init__(original, **options)
-        self.q_name, self.k_name, self.v_name, self.o_name = projections
-        self.fused_rope = fused_rope
+        if len(projections) not in (2, 4):
+            raise ValueError(f"FusedAttention: projections must be (q, k, v, out) or (qkv, out) child names, "
+                             f"got {projections!r}")
+        if rotary not in ROTARY_STYLES:
+            raise ValueError(f"FusedAttention: rotary must be one of {ROTARY_STYLES}, got {rotary!r}")
+        if qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"FusedAttention: qk_norm_scope must be one of {QK_NORM_SCOPES}, got {qk_norm_scope!r}")
+        self.input_names, self.o_name = projections[:-1], projections[-1]
+        self.rotary, self.qk_norms, self.qk_norm_scope = rotary, qk_norms, qk_norm_scope
+        self.qk_rms_norms = qk_rms_norms if qk_norms is not None else None
+        self.sinks_name, self.softcap, self.clip_qkv = sinks, softcap, clip_qkv
+        self.output_dropout = output_dropout
+        self.fused_rope = fused_rope and rotary != "none"
+
+    @property
+    def _attention_is_fused(self) -> bool:
+        return self.fused_attention and self.softcap is None
 
     @property
     def ops(self):
         # A property, not an attribute: fused ops hold functions, and a fused model pickles.
-        fused_ops = tuple(op for op, fused in ((ATTENTION, self.fused_attention), (ROPE, self.fused_rope)) if fused)
-        return fused_ops + self._projection_ops(self.q_name, self.k_name, self.v_name, self.o_name)
+        fused_ops = tuple(op for op, fused in ((ATTENTION, self._attention_is_fused), (ROPE, self.fused_rope),
+                                               (RMS_NORM, self.qk_rms_norms is not None)) if fused)
+        return fused_ops + self._projection_ops(*self.input_names, self.o_name)
+
+    def _qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as [batch, seq, heads * head_dim] (views of one product for a fused projection)."""
+        if len(self.input_names) == 3:
+            return tuple(self._project(name, hidden_states) for name in self.input_names)
+        kv_width = self.num_kv_heads * self.head_dim
+        qkv = self._project(self.input_names[0], hidden_states)
+        return qkv.split((self.num_heads * self.head_dim, kv_width, kv_width), dim=-1)
+
+    def _norm(self, index: int, x: Tensor) -> Tensor:
+        if self.qk_norms is None:
+            return x
+        norm = self._modules[self.qk_norms[index]]
+        if self.qk_rms_norms is None:
+            return norm(x)
+        eps, weight_offset = self.qk_rms_norms[index]
+        return rms_norm(x, norm._parameters["weight"], eps, weight_offset=weight_offset,
+                        backend=self.backend_for(RMS_NORM))
+
+    def _rotate(self, q: Tensor, k: Tensor, position_embeddings) -> tuple[Tensor, Tensor]:
+        if self.rotary == "none":
+            return q, k
+        cos, sin = position_embeddings
+        if self.rotary == "rotate_half_pair_tables":
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        elif self.rotary == "interleaved_rotate_half_tables":
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        return apply_rotary(q, k, cos, sin, interleaved=self.rotary.startswith("interleaved"),
+                            backend=self.backend_for(ROPE) if self.fused_rope else "reference")
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
         hidden_states = named["hidden_states"]
         position_embeddings = named.get("position_embeddings")
-        if position_embeddings is None or not self._covers(named, hidden_states.shape[-2]):
+        if (self.rotary != "none" and position_embeddings is None) or not self._covers(named):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
-        q = self._project(self.q_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self._project(self.k_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self._project(self.v_name, hidden_states).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin, backend=self.backend_for(ROPE) if self.fused_rope else "reference")
-        return self._result(self._project(self.o_name, self._attend(q, k, v, named)))
+        q, k, v = self._qkv(hidden_states)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        if self.qk_norm_scope == "projection":
+            q, k = self._norm(0, q), self._norm(1, k)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm_scope == "head":
+            q, k = self._norm(0, q), self._norm(1, k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = self._rotate(q, k, position_embeddings)
+        sinks = None if self.sinks_name is None else self._parameters[self.sinks_name]
+        out = self._project(self.o_name, self._attend(q, k, v, named, sinks=sinks, softcap=self.softcap))
+        if self.output_dropout and self.training:
+            out = F.dropout(out, self.output_dropout)
+        return self._result(out)
+
+    def extra_repr(self) -> str:
+        features = [f"rotary={self.rotary}"]
+        if self.qk_norms is not None:
+            features.append(f"qk_norm={self.qk_norm_scope}")
+        if self.sinks_name is not None:
+            features.append("sinks")
+        if self.softcap is not None:
+            features.append(f"softcap={self.softcap:g}")
+        return ", ".join(features) + ", " + super().extra_repr()
 
 
 class FusedQKVAttention(_FusedSelfAttention):
@@ -156,7 +266,7 @@ class FusedQKVAttention(_FusedSelfAttention):
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
         hidden_states = named["hidden_states"]
-        if not self._covers(named, hidden_states.shape[-2]):
+        if not self._covers(named):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         width = self.num_heads * self.head_dim

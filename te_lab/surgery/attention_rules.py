@@ -2,31 +2,53 @@
 attention twin (excluding ``rope`` keeps the rotation unfused; with ``only=["rope"]`` the
 attention itself stays on the reference math).
 
-Two layouts are recognized by their children: separate ``q_proj``/``k_proj``/
-``v_proj``/``o_proj`` projections with a forward taking ``position_embeddings``
-(Llama-family, RoPE) and one ``c_attn`` projection with a ``c_proj`` (GPT-2). Head
-counts come from the projection widths and the module's ``head_dim`` / head-count
-attributes; scaling, causality and dropout from its attributes. What the module does
-with them is checked by the probe.
+Two layouts are recognized by their children: q/k/v projections (separate, or one
+``qkv_proj`` with grouped-query widths) and an output projection, with a forward taking
+``position_embeddings`` (RoPE: Llama, Mistral, Qwen, Gemma, OLMo, Phi-3, GLM-4, gpt-oss,
+...), and one ``c_attn`` projection with a ``c_proj`` (GPT-2). Head counts come from the
+projection widths and the module's ``head_dim`` / head-count attributes; scaling,
+causality, dropout, soft-capping (``attn_logit_softcapping``), output dropout
+(``residual_dropout``) and q/k/v clipping (``config.clip_qkv``) from its attributes;
+q/k norms (QK-norm) and attention sinks from its children and parameters. Sliding windows
+need nothing of the rule: they are in the masks the model passes each layer. How the
+module rotates q and k (rotate-half, interleaved, or not at all) is left to the probe,
+which keeps the first rotation that reproduces it; so is everything else it does.
+Multi-head latent attention (DeepSeek-V3's MLA: ``q_a_proj``, ``kv_a_proj_with_mqa``) is
+not matched yet.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
 from torch import nn
 
 from te_lab.inputs import call_with
-from te_lab.modules.attention import FusedAttention, FusedQKVAttention
+from te_lab.modules.attention import ROTARY_STYLES, FusedAttention, FusedQKVAttention
+from te_lab.modules.call_arguments import forward_signature
 from te_lab.modules.linear_like import in_out_features, is_linear_like
 
-from .inspection import float_attribute, head_count, random_tensor, rotary_tables, takes_argument
+from .inspection import (
+    float_attribute,
+    head_count,
+    identify_rms_norm,
+    random_tensor,
+    rotary_tables,
+    takes_argument,
+)
 from .norm_rules import PROBE_SHAPE
 from .probe import quiet_state
 from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
 
-PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"))
+# Child names of the q/k/v and output projections: separate, or one [q | k | v] projection.
+PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"),
+                    ("q_proj", "k_proj", "v_proj", "dense"), ("qkv_proj", "o_proj"))
+# Child names of q/k norms (QK-norm), called by the twin as the original calls them.
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+# Parameters of the module's own the twin applies: per-head attention-sink logits (gpt-oss).
+SINK_NAMES = ("sinks",)
 
 
 def _returns_tuple(module: nn.Module, inputs: ProbeInputs) -> bool:
@@ -59,35 +81,110 @@ def _head_dim(module: nn.Module, q_width: int) -> Optional[int]:
     return q_width // heads if heads and q_width % heads == 0 else None
 
 
-def match_separate_projections(module: nn.Module) -> MatchResult:
+def _missing_arguments(module: nn.Module, given: set) -> dict:
+    """``None`` for every parameter of the forward that has no default and is not in
+    ``given`` (Mistral's and Qwen2's ``attention_mask`` is required, yet ``None`` is what
+    the model passes under SDPA without padding)."""
+    parameters = forward_signature(module.forward).parameters.values()
+    return {p.name: None for p in parameters
+            if p.default is inspect.Parameter.empty and p.name not in given
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+
+
+def _qk_norm_scope(module: nn.Module, names: tuple[str, str], head_dim: int, widths: tuple[int, int]):
+    """Whether the q/k norms normalize each head ("head") or the whole projection output
+    ("projection", OLMo 2), read off their weights; None when neither fits."""
+    weights = [module._modules[name]._parameters.get("weight") for name in names]
+    if any(weight is None for weight in weights):
+        return None
+    if all(weight.shape[-1] == head_dim for weight in weights):
+        return "head"
+    if all(weight.dim() == 1 and weight.numel() == width for weight, width in zip(weights, widths)):
+        return "projection"
+    return None
+
+
+def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[int]:
+    """How wide the rotary tables the module takes are: a value per head dim (Hugging
+    Face's convention) or per rotary pair (gpt-oss), found by calling it."""
+    for width in (head_dim, head_dim // 2):
+        try:
+            _returns_tuple(module, inputs(width))
+        except Exception:  # noqa: BLE001 - the module refused tables this wide
+            continue
+        return width
+    return None
+
+
+def _rotary_styles(module: nn.Module) -> tuple[str, ...]:
+    """The rotations to try, most common first; the probe keeps the one the module computes."""
+    if getattr(module, "use_rope", True) is False:  # SmolLM3's no-RoPE layers
+        return ("none",)
+    return ROTARY_STYLES
+
+
+def _optional_float(value) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def match_projections(module: nn.Module) -> MatchResult:
     names = next((n for n in PROJECTION_NAMES if all(is_linear_like(module._modules.get(p)) for p in n)), None)
     if names is None or not takes_argument(module, "position_embeddings"):
         return None
-    extra = sorted(set(module._modules) - set(names))
-    if extra or module._parameters:
-        what = ", ".join(extra) if extra else "parameters of its own"
-        return Skip(f"has {what} beyond the q/k/v/o projections, which the fused attention does not apply")
-    if getattr(module, "sliding_window", None) is not None:
-        return Skip("sliding-window attention is not covered")
-    hidden, q_width = in_out_features(module._modules[names[0]])
-    kv_width = in_out_features(module._modules[names[1]])[1]
+    norms = next((n for n in QK_NORM_NAMES if all(name in module._modules for name in n)), None)
+    extra = sorted(set(module._modules) - set(names) - set(norms or ()))
+    own = sorted(set(module._parameters) - set(SINK_NAMES))
+    if extra or own:
+        what = ", ".join(extra) if extra else f"parameters of its own ({', '.join(own)})"
+        return Skip(f"has {what} beyond the q/k/v/o projections, q/k norms and sinks, which the fused attention "
+                    f"does not apply")
+    fused_qkv = len(names) == 2
+    hidden, qkv_width = in_out_features(module._modules[names[0]])
+    q_width = in_out_features(module._modules[names[-1]])[0]
     head_dim = _head_dim(module, q_width)
-    if head_dim is None or q_width % head_dim or kv_width % head_dim or (q_width // head_dim) % (kv_width // head_dim):
+    kv_width = (qkv_width - q_width) // 2 if fused_qkv else in_out_features(module._modules[names[1]])[1]
+    if (head_dim is None or q_width % head_dim or kv_width <= 0 or kv_width % head_dim
+            or (q_width // head_dim) % (kv_width // head_dim) or (fused_qkv and qkv_width != q_width + 2 * kv_width)):
         return Skip("cannot tell its head layout from head_dim and the projection widths")
     num_heads, num_kv_heads = q_width // head_dim, kv_width // head_dim
+    scope = None if norms is None else _qk_norm_scope(module, norms, head_dim, (q_width, kv_width))
+    if norms is not None and scope is None:
+        return Skip(f"cannot tell what its q/k norms ({', '.join(norms)}) normalize over from their weights")
+    sinks = next((name for name in SINK_NAMES if name in module._parameters), None)
+    if sinks is not None and tuple(module._parameters[sinks].shape) != (num_heads,):
+        return Skip(f"its {sinks} parameter has shape {tuple(module._parameters[sinks].shape)}; attention sinks "
+                    f"are one logit per query head ({num_heads})")
     scaling = float_attribute(module, "scaling", head_dim ** -0.5)
+    config = getattr(module, "config", None)
+    rms_norms = None if norms is None else tuple(identify_rms_norm(module._modules[name]) for name in norms)
+    features = dict(qk_norms=norms, qk_norm_scope=scope or "head", sinks=sinks,
+                    softcap=_optional_float(getattr(module, "attn_logit_softcapping", None)),
+                    clip_qkv=_optional_float(getattr(config, "clip_qkv", None)),
+                    output_dropout=float_attribute(module, "residual_dropout", 0.0))
+
+    def inputs(batch: int, seq: int, table_width: int) -> ProbeInputs:
+        kwargs = {"position_embeddings": rotary_tables(batch, seq, table_width, module)}
+        return ProbeInputs((random_tensor((batch, seq, hidden), module),),
+                           kwargs | _missing_arguments(module, {"hidden_states", *kwargs}))
+
+    table_width = _table_width(module, lambda width: inputs(1, 2, width), head_dim)
+    if table_width is None:
+        return Skip("takes no rotary tables of head_dim or head_dim / 2 values per position")
 
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
-        return ProbeInputs((random_tensor((batch, seq, hidden), module),),
-                           {"position_embeddings": rotary_tables(batch, seq, head_dim, module)})
+        return inputs(batch, seq, table_width)
 
-    def build(options: BuildOptions) -> FusedAttention:
-        return FusedAttention(
-            module, projections=names, fused_rope="rope" in options.enabled_rules,
-            **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
-            fused_attention="attention" in options.enabled_rules, backend=options.backend)
+    def variant(rotary: str) -> Variant:
+        def build(options: BuildOptions) -> FusedAttention:
+            fused_norms = rms_norms is not None and None not in rms_norms and "rmsnorm" in options.enabled_rules
+            return FusedAttention(
+                module, projections=names, rotary=rotary, fused_rope="rope" in options.enabled_rules, **features,
+                qk_rms_norms=rms_norms if fused_norms else None,
+                **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
+                fused_attention="attention" in options.enabled_rules, backend=options.backend)
+        return Variant(build, note="" if rotary == "rotate_half" else f"rotary: {rotary}")
 
-    return Match([Variant(build)], example, probe_outputs=_attention_output)
+    return Match([variant(rotary) for rotary in _rotary_styles(module)], example, probe_outputs=_attention_output)
 
 
 def match_qkv_projection(module: nn.Module) -> MatchResult:
@@ -111,7 +208,8 @@ def match_qkv_projection(module: nn.Module) -> MatchResult:
     resid_dropout = "resid_dropout" if isinstance(module._modules.get("resid_dropout"), nn.Dropout) else None
 
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
-        return ProbeInputs((random_tensor((batch, seq, hidden), module),))
+        return ProbeInputs((random_tensor((batch, seq, hidden), module),),
+                           _missing_arguments(module, {"hidden_states"}))
 
     def build(options: BuildOptions) -> FusedQKVAttention:
         return FusedQKVAttention(
@@ -123,7 +221,7 @@ def match_qkv_projection(module: nn.Module) -> MatchResult:
 
 
 def match_attention(module: nn.Module) -> MatchResult:
-    return match_separate_projections(module) or match_qkv_projection(module)
+    return match_projections(module) or match_qkv_projection(module)
 
 
 ATTENTION = register_builtin_rule(FusionRule(

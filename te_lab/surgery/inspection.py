@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from te_lab.kernels.precision import TOLERANCES
 from te_lab.modules.call_arguments import forward_signature
 
 EPSILON_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
@@ -37,6 +38,31 @@ def identify_activation(fn: Callable) -> Optional[str]:
     for name, reference in _ACTIVATION_REFERENCES.items():
         if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-7):
             return name
+    return None
+
+
+def identify_rms_norm(norm: nn.Module) -> Optional[tuple[float, float]]:
+    """``(eps, weight_offset)`` when ``norm`` computes RMSNorm over the last dim scaled by
+    its ``weight`` (offset 0) or by ``1 + weight`` (Gemma, offset 1), found by evaluating
+    it; ``None`` for anything else (LayerNorm, per-head weights, no weight). The two
+    scalings differ by the normalized input itself, so the answer is unambiguous."""
+    weight, eps = norm._parameters.get("weight"), epsilon_of(norm)
+    if weight is None or weight.dim() != 1 or eps is None or norm._modules or set(norm._parameters) != {"weight"}:
+        return None
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn((4, weight.shape[0]), generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad():
+            y = norm(x)
+    except Exception:  # noqa: BLE001 - any failure means "not an RMSNorm we know"
+        return None
+    if not isinstance(y, Tensor) or y.shape != x.shape:
+        return None
+    normalized = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    atol = rtol = TOLERANCES[weight.dtype]["rtol"] if weight.dtype in TOLERANCES else 1e-5
+    for offset in (0.0, 1.0):
+        if torch.allclose(y.double(), normalized * (weight.double() + offset), rtol=rtol, atol=atol):
+            return eps, offset
     return None
 
 
