@@ -59,6 +59,16 @@ def to_html(report, path):
     return write_html(report, path)
 
 
+def __getattr__(name: str):
+    # te_lab.TrainerCallback subclasses transformers.TrainerCallback: loaded on first use,
+    # so `import te_lab` does not import transformers.
+    if name == "TrainerCallback":
+        from te_lab.integrations.trainer import TrainerCallback
+
+        return TrainerCallback
+    raise AttributeError(f"module 'te_lab' has no attribute {name!r}")
+
+
 def load_ipython_extension(shell) -> None:
     """``%load_ext te_lab``: the magics (see ``te_lab.extensions``)."""
     from te_lab.extensions import load_ipython_extension as load
@@ -82,6 +92,7 @@ __all__ = [
     "ProfileReport",
     "ProfileRun",
     "Skip",
+    "TrainerCallback",
     "UnfuseResult",
     "Variant",
     "__version__",

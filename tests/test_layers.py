@@ -23,7 +23,9 @@ LAYERS = (
     ("profiler", ("te_lab.profiler", "te_lab.optim")),
     ("widgets", ("te_lab.widgets",)),
     # status describes the whole installation (te_lab.__version__, every op's backend)
-    ("api", ("te_lab", "te_lab.status", "te_lab.extensions", "te_lab.cli", "te_lab.benchmarks")),
+    # integrations: te_lab inside other libraries' training loops (Hugging Face's Trainer)
+    ("api", ("te_lab", "te_lab.status", "te_lab.extensions", "te_lab.cli", "te_lab.benchmarks",
+             "te_lab.integrations")),
 )
 
 
