@@ -28,6 +28,9 @@ class FusedModule(nn.Module):
     """
 
     ops: Sequence[FusedOp] = ()
+    # The original's children the twin calls as modules: hooks on them (and inside them)
+    # fire as before, so they do not stop a swap (te_lab.surgery.hooks).
+    called_children: Sequence[str] = ()
 
     def __init__(self, original: nn.Module, backend: Optional[str] = None):
         super().__init__()
@@ -46,8 +49,17 @@ class FusedModule(nn.Module):
         self.train(original.training)
 
     def backend_for(self, op: FusedOp) -> Optional[str]:
-        """The backend to pass to ``op``: the requested one where ``op`` implements it."""
+        """The backend to pass to ``op``: one pinned for it (:meth:`pin_backend`), else the
+        requested one where ``op`` implements it."""
+        pinned = self.__dict__.get("pinned_backends", {}).get(op.name)
+        if pinned is not None:
+            return pinned
         return self.backend if self.backend in op.backends() else None
+
+    def pin_backend(self, op: FusedOp, backend: str) -> None:
+        """Run ``op`` on ``backend`` in this twin whatever was requested (``fuse`` pins
+        ``linear`` to ``reference`` where oneDNN's rounding missed the probe's bar)."""
+        self.__dict__.setdefault("pinned_backends", {})[op.name] = backend
 
     def resolved_backends(self, device: torch.device) -> dict[str, str]:
         """Op name -> the backend each op runs on ``device`` (for the report)."""
