@@ -4,6 +4,8 @@ launches saved, utilization figures in range, a lossless JSON round trip, and a
 profile that leaves the model, its gradients and the RNG as it found them."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,3 +212,26 @@ def test_each_kind_counts_alike_eager_and_fused(llama_profile):
         if kind.key != "other":
             assert kind.fused.flops == pytest.approx(kind.eager.flops, rel=0.10), kind.key
             assert 0 < kind.fused.bytes_moved <= kind.eager.bytes_moved, kind.key
+
+
+def test_a_profile_leaves_no_profiler_chatter_on_stderr_and_keeps_other_lines(tmp_path):
+    """torch's C++ profiler prints "USDT:... SyncActivityProfilerHandler.cpp:52]
+    profiler_start" (and _stop) on fd 2 at every session; te_lab.profile filters those
+    lines out and passes the rest through."""
+    script = tmp_path / "small_profile.py"
+    script.write_text(
+        "import os, torch, te_lab\n"
+        "from te_lab.profiler import chatter\n"
+        "w = torch.ones(8, requires_grad=True)\n"
+        "report = te_lab.profile((lambda x: x * w, lambda x: x * w), torch.ones(4, 8), steps=2, warmup=0)\n"
+        "print('kinds', len(report.kinds))\n"
+        "with chatter.without_profiler_chatter():\n"
+        "    os.write(2, b'USDT:2026-12-03 09:31:38 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\\n')\n"
+        "    os.write(2, b'an error line from C++\\n')\n")
+    plain = subprocess.run([sys.executable, "-c", "import torch\nwith torch.profiler.profile():\n    pass\n"],
+                           capture_output=True, text=True, timeout=300)
+    assert "SyncActivityProfilerHandler" in plain.stderr  # torch does print it: the test can fail
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "kinds" in result.stdout
+    assert "USDT:" not in result.stderr and "an error line from C++" in result.stderr

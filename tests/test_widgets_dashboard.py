@@ -1,15 +1,24 @@
 """The dashboard widget and the static export, driven from Python (the widget model, not
-a browser): what each tab holds, that the controls redraw the gains in place, that a
-click fills the details panel, Re-run through a ProfileRun, the text fallback and the HTML file."""
+a browser): what each tab holds, that the controls redraw the gains in place, that the
+details list fills the details panel, that each chart's data is in the widget state once
+(no plotly.js), the timeline drawn a window at a time, Re-run through a ProfileRun, the
+text fallback and the HTML file."""
+
+import dataclasses
+import json
 
 import pytest
 
 pytest.importorskip("ipywidgets")  # the Triton 3.2 test environment has no notebook stack
-Points = pytest.importorskip("plotly.callbacks").Points
+pytest.importorskip("plotly")
+
+import ipywidgets  # noqa: E402
 
 import te_lab  # noqa: E402
 from te_lab import models  # noqa: E402
 from te_lab.widgets import Dashboard  # noqa: E402
+from te_lab.widgets.figures import TIMELINE_PAGE_EVENTS  # noqa: E402
+from te_lab.widgets.plots import PLOTLY_MIME  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +34,22 @@ def report(profile_run):
     return profile_run.run()
 
 
-def bar_labels(figure_widget):
-    return [list(trace.x) for trace in figure_widget.data]
+def bar_labels(plot):
+    return [list(trace["x"]) for trace in shown(plot)["data"]]
+
+
+def shown(plot):
+    """The figure the Output widget holds, as the frontend receives it."""
+    (output,) = plot.outputs
+    return output["data"][PLOTLY_MIME]
 
 
 def test_the_dashboard_draws_every_tab(report):
     dashboard = Dashboard(report)
-    assert [trace.name for trace in dashboard.gains.data] == ["eager", "fused"]
-    assert len(dashboard.gains.data[0].x) == len(report.kinds)
-    assert len(dashboard.timeline.data) > 0 and len(dashboard.roofline.data) > 0
+    assert [trace["name"] for trace in shown(dashboard.gains)["data"]] == ["eager", "fused"]
+    assert len(shown(dashboard.gains)["data"][0]["x"]) == len(report.kinds)
+    assert shown(dashboard.timeline)["data"] and shown(dashboard.roofline)["data"]
+    assert "(other)" in dashboard.other.value and "Fusion does not change it" in dashboard.other.value
     assert "effective parallelism" in dashboard.utilization_table.value
     assert "process CPU time / wall time" in dashboard.utilization_table.value
     assert dashboard.cards.value.index("step time") < dashboard.cards.value.index("memory traffic") \
@@ -48,22 +64,60 @@ def test_group_by_and_phase_redraw_the_gains_in_place(report):
     assert dashboard.gains is widget
     by_module = bar_labels(widget)
     assert len(by_module[0]) == len(report.modules) and by_module != by_kind
-    both = list(widget.data[0].y)
+    both = list(shown(widget)["data"][0]["y"])
     dashboard.phase.value = "forward"
-    forward = list(widget.data[0].y)
+    forward = list(shown(widget)["data"][0]["y"])
     assert all(f <= b + 1e-9 for f, b in zip(sorted(forward), sorted(both))) and forward != both
 
 
-def test_clicking_a_bar_fills_the_details_panel(report):
+def test_choosing_a_row_fills_the_details_panel(report):
     dashboard = Dashboard(report)
     dashboard.group_by.value = "module"
-    trace = dashboard.gains.data[1]
-    index = list(trace.customdata).index("model.layers.0.mlp")
-    dashboard._show_details(trace, Points(point_inds=[index], xs=[trace.x[index]], ys=[trace.y[index]],
-                                          trace_name="fused", trace_index=1), None)
+    assert "model.layers.0.mlp" in [value for _, value in dashboard.detail_row.options]
+    dashboard.detail_row.value = "model.layers.0.mlp"
     assert "model.layers.0.mlp" in dashboard.details.value
     assert "te_lab::glu [[2, 16, 176], [2, 16, 176]]" in dashboard.details.value  # the op and its input shapes
-    assert "GB/s" in dashboard.details.value and "probe (sample): output max abs err" in dashboard.details.value
+    assert "GB/s" in dashboard.details.value and "probe (sample)" in dashboard.details.value
+    mlp = next(c for c in report.modules if c.key == "model.layers.0.mlp")
+    assert f"[{mlp.speedup_low:.2f}, {mlp.speedup_high:.2f}] (95% interval)" in dashboard.details.value
+    dashboard.group_by.value = "kind"  # new rows: the panel empties
+    assert dashboard.detail_row.value == "" and "Choose a row" in dashboard.details.value
+
+
+def test_each_chart_is_in_the_widget_state_once_without_plotly_js(report):
+    """plotly's FigureWidget put its 5 MB plotly.js bundle into every chart's widget state;
+    the charts are now Output widgets holding the figure's JSON once."""
+    before = set(ipywidgets.Widget.widgets)
+    dashboard = Dashboard(report)
+    dashboard.group_by.value = "module"  # a redraw replaces the chart's data, it does not add to it
+    ours = {key: widget for key, widget in ipywidgets.Widget.widgets.items() if key not in before}
+    states = {key: widget.get_state() for key, widget in ours.items()}
+    assert not any("_esm" in state for state in states.values())
+    plotted = [state for state in states.values() if state.get("_model_name") == "OutputModel" and state["outputs"]]
+    assert len(plotted) == 4  # gains, timeline, utilization, roofline
+    assert all(len(state["outputs"]) == 1 and PLOTLY_MIME in state["outputs"][0]["data"] for state in plotted)
+    size = len(json.dumps(list(states.values())))
+    timeline = len(json.dumps(shown(dashboard.timeline)))
+    assert size < 2 * timeline + 200_000, (size, timeline)  # the timeline once, and little beside it
+
+
+def test_a_long_timeline_is_drawn_a_window_at_a_time(report):
+    events = [event for event in report.timeline if event.mode == "eager"]
+    end = max(e.start_us + e.duration_us for e in events)
+    long_timeline = [dataclasses.replace(e, start_us=e.start_us + copy * end) for copy in range(
+        TIMELINE_PAGE_EVENTS // len(events) * 3) for e in events]
+    long_report = dataclasses.replace(report, timeline=long_timeline + [e for e in report.timeline
+                                                                        if e.mode == "fused"])
+    dashboard = Dashboard(long_report)
+    windows = len(dashboard.timeline_page.options)
+    assert windows >= 3 and dashboard.timeline_page.layout.display is None
+    drawn = sum(len(trace["x"]) for trace in shown(dashboard.timeline)["data"])
+    assert drawn <= 1.2 * TIMELINE_PAGE_EVENTS + len(report.timeline)
+    first = shown(dashboard.timeline)["data"][0]["base"]
+    dashboard.timeline_page.value = windows - 1
+    last = shown(dashboard.timeline)["data"][0]["base"]
+    assert min(last) > max(first)  # a later window of the step
+    assert Dashboard(report).timeline_page.layout.display == "none"  # a short step is one window
 
 
 def test_rerun_profiles_again_with_progress_and_redraws(report, profile_run):

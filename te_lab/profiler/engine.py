@@ -472,17 +472,23 @@ def _per_round_totals(runs: dict) -> dict:
     return totals
 
 
+def _rounds(per_round: dict, mode: str) -> int:
+    return len(per_round.get(OTHER_KEY, {}).get(mode, {}))
+
+
 def _module_intervals(report: ProfileReport, per_round: dict) -> None:
-    """Each module's speedup interval over the paired profiled rounds, scaled as its times
-    were; a note when "(other)", which fusion does not touch, changed measurably."""
+    """Each module's and op kind's speedup interval over the paired profiled rounds,
+    scaled as its times were; a note when "(other)", which fusion does not touch, changed
+    measurably."""
     scale = report.modes["eager"].attribution_scale / report.modes["fused"].attribution_scale
-    for comparison in report.modules:
-        rounds = per_round.get(comparison.key, {})
-        eager, fused = rounds.get("eager", {}), rounds.get("fused", {})
-        paired = sorted(set(eager) & set(fused))
-        if len(paired) < 2 or comparison.speedup is None or any(fused[i] <= 0 for i in paired):
+    members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
+    rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
+    for comparison, keys in rows:
+        eager, fused = ([sum(per_round.get(key, {}).get(mode, {}).get(i, 0.0) for key in keys)
+                         for i in range(_rounds(per_round, mode))] for mode in ("eager", "fused"))
+        if len(eager) < 2 or len(eager) != len(fused) or comparison.speedup is None or min(fused) <= 0:
             continue
-        low, high = intervals.ratio_interval([eager[i] for i in paired], [fused[i] for i in paired])
+        low, high = intervals.ratio_interval(eager, fused)
         comparison.speedup_low, comparison.speedup_high = low * scale, high * scale
     other = next(c for c in report.modules if c.key == OTHER_KEY)
     if other.distinguishable:

@@ -1,5 +1,6 @@
-"""The profiler dashboard: an ipywidgets layout of plotly FigureWidgets drawn from a
-ProfileReport. It never measures; the Re-run button runs the
+"""The profiler dashboard: an ipywidgets layout of plotly charts drawn from a
+ProfileReport, each chart's data sent once (:mod:`.plots`: no plotly.js in the widget
+state). It never measures; the Re-run button runs the
 :class:`~te_lab.profiler.ProfileRun` it was given (without one, as for a report loaded
 from JSON, the button is off and says why).
 """
@@ -10,20 +11,23 @@ import html
 from typing import Optional
 
 import ipywidgets as widgets
-import plotly.graph_objects as go
 
 from .figures import (
     GROUP_BY,
     PHASES,
     gain_rows,
     gains_figure,
+    other_explanation,
     roofline_figure,
     summary_cards,
     timeline_figure,
+    timeline_pages,
     utilization_figure,
 )
+from .plots import Plot
 
 GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
+NO_DETAILS = "<i>Choose a row under \"details of\" for its modules, ops and shapes.</i>"
 NO_RERUN = ("No ProfileRun was given with this report (te_lab.show(report, rerun=te_lab.ProfileRun(...))): "
             "there is nothing to re-run")
 
@@ -45,28 +49,37 @@ def _figures_table(report) -> str:
             f"{rows}</table>")
 
 
+def _window_label(window) -> str:
+    return "the whole step" if window is None else f"{window[0]:.0f} to {window[1]:.0f} µs"
+
+
 class Dashboard(widgets.VBox):
     """``Dashboard(report, rerun=None)``: summary cards, then tabs Gains / Timeline /
     Utilization / Roofline, and a Re-run button that measures ``rerun`` (a
-    :class:`~te_lab.profiler.ProfileRun`) again."""
+    :class:`~te_lab.profiler.ProfileRun`) again. The gains tab's "details of" list fills
+    the details panel; the timeline of a long step is drawn a window at a time."""
 
     def __init__(self, report, rerun=None):
         self.cards = widgets.HTML()
         self.group_by = widgets.Dropdown(options=[(GROUP_LABELS[g], g) for g in GROUP_BY], value="kind",
                                          description="group by")
         self.phase = widgets.ToggleButtons(options=list(PHASES), value="both", description="phase")
-        self.details = widgets.HTML("<i>Click a bar for its details.</i>")
-        self.gains = go.FigureWidget()
-        self.timeline = go.FigureWidget()
-        self.utilization = go.FigureWidget()
+        self.detail_row = widgets.Dropdown(options=[], description="details of")
+        self.details = widgets.HTML(NO_DETAILS)
+        self.other = widgets.HTML()
+        self.gains = Plot()
+        self.timeline_page = widgets.Dropdown(options=[], description="window")
+        self.timeline = Plot()
+        self.utilization = Plot()
         self.utilization_table = widgets.HTML()
-        self.roofline = go.FigureWidget()
+        self.roofline = Plot()
         self.rerun_button = widgets.Button(description="Re-run", icon="refresh")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="profiling", layout={"visibility":
                                                                                                        "hidden"})
         tabs = widgets.Tab(children=[
-            widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.details]),
-            self.timeline,
+            widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.other, self.detail_row,
+                          self.details]),
+            widgets.VBox([self.timeline_page, self.timeline]),
             widgets.VBox([self.utilization_table, self.utilization]),
             self.roofline,
         ])
@@ -76,8 +89,11 @@ class Dashboard(widgets.VBox):
         self.add_class("te-lab-dashboard")
         self.group_by.observe(lambda _: self._draw_gains(), names="value")
         self.phase.observe(lambda _: self._draw_gains(), names="value")
+        self.detail_row.observe(lambda change: self._show_details(change["new"]), names="value")
+        self.timeline_page.observe(lambda change: self._draw_timeline(change["new"]), names="value")
         self.rerun_button.on_click(lambda _: self.rerun())
         self.report = None
+        self.timeline_windows = [None]
         self.profile_run = rerun
         self.update(report)
 
@@ -87,33 +103,32 @@ class Dashboard(widgets.VBox):
         """Draw ``report`` in place (the same widgets, new data)."""
         self.report = report
         self.cards.value = _cards_html(report)
-        self._replace(self.timeline, timeline_figure(report))
-        self._replace(self.utilization, utilization_figure(report))
-        self._replace(self.roofline, roofline_figure(report))
+        self.other.value = f'<p class="te-lab-other"><i>{html.escape(other_explanation(report))}</i></p>'
+        self.timeline_windows = timeline_pages(report.timeline)
+        self.timeline_page.layout.display = None if len(self.timeline_windows) > 1 else "none"
+        self.timeline_page.options = [(_window_label(window), index)
+                                      for index, window in enumerate(self.timeline_windows)]
+        self._draw_timeline(0)
+        self.utilization.draw(utilization_figure(report))
+        self.roofline.draw(roofline_figure(report))
         self.utilization_table.value = _figures_table(report)
         self._draw_gains()
         can_rerun = self.profile_run is not None
         self.rerun_button.disabled = not can_rerun
         self.rerun_button.tooltip = "Profile the model again and redraw" if can_rerun else NO_RERUN
 
-    @staticmethod
-    def _replace(widget: go.FigureWidget, figure: go.Figure) -> None:
-        with widget.batch_update():
-            widget.data = []
-            widget.add_traces(list(figure.data))
-            widget.layout = figure.layout
+    def _draw_timeline(self, index) -> None:
+        if index is not None:
+            self.timeline.draw(timeline_figure(self.report, self.timeline_windows[index]))
 
     def _draw_gains(self) -> None:
-        self._replace(self.gains, gains_figure(self.report, self.group_by.value, self.phase.value))
-        for trace in self.gains.data:
-            trace.on_click(self._show_details)
-        self.details.value = "<i>Click a bar for its details.</i>"
+        self.gains.draw(gains_figure(self.report, self.group_by.value, self.phase.value))
+        labels = [row.label for row in gain_rows(self.report, self.group_by.value, self.phase.value)]
+        self.detail_row.options = [("(choose a row)", "")] + [(label, label) for label in labels]
+        self.details.value = NO_DETAILS
 
-    def _show_details(self, trace, points, _state) -> None:
-        if not points.point_inds:
-            return
-        label = trace.customdata[points.point_inds[0]]
-        self.details.value = self.details_html(label)
+    def _show_details(self, label: str) -> None:
+        self.details.value = self.details_html(label) if label else NO_DETAILS
 
     def details_html(self, label: str) -> str:
         """Details of one gains row: each module merged into it, eager vs fused."""
@@ -139,6 +154,10 @@ class Dashboard(widgets.VBox):
             if comparison.verification:
                 lines.append(f'<tr><td colspan="6">{html.escape(comparison.verification)}</td></tr>')
         speedup = "-" if row.speedup is None else f"{row.speedup:.2f}x"
+        if row.speedup_low is not None and row.speedup_high is not None:
+            speedup += f" [{row.speedup_low:.2f}, {row.speedup_high:.2f}] (95% interval)"
+            if row.distinguishable is False:
+                speedup += ": no measurable difference"
         return (f'<div class="te-lab-details"><b>{html.escape(label)}</b>: eager {row.eager_ms:.3f} ms, fused '
                 f"{row.fused_ms:.3f} ms, speedup {speedup}<table><tr><th>module</th><th>mode</th>"
                 f"<th>fwd / bwd ms</th><th>launches</th><th>MiB moved (est.)</th><th>GB/s</th></tr>"

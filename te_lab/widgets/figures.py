@@ -41,6 +41,15 @@ class GainRow:
     speedup: float | None
     time_saved_ms: float
     keys: list[str]  # the module keys (Comparison.key) merged into this row
+    speedup_low: float | None = None  # the speedup's 95% interval, where the report has one for the row
+    speedup_high: float | None = None
+
+    @property
+    def distinguishable(self) -> bool | None:
+        """Whether the interval excludes 1.0; None without one."""
+        if self.speedup_low is None or self.speedup_high is None:
+            return None
+        return not (self.speedup_low <= 1.0 <= self.speedup_high)
 
 
 # ---- fusion gains --------------------------------------------------------------------------
@@ -65,16 +74,20 @@ def gain_rows(report: ProfileReport, group_by: str = "kind", phase: str = "both"
             label = module.key if group_by == "module" else module.module_type or module.key
             by_label.setdefault(label, []).append(module)
         groups = [(label, members, [m.key for m in members]) for label, members in by_label.items()]
-    rows = [_gain_row(label, comparisons, keys, _PHASE_MS[phase]) for label, comparisons, keys in groups]
+    rows = [_gain_row(label, comparisons, keys, _PHASE_MS[phase], phase == "both")
+            for label, comparisons, keys in groups]
     return sorted(rows, key=lambda row: (OTHER_KEY in row.keys, -row.time_saved_ms))
 
 
 def _gain_row(label: str, comparisons: list[Comparison], keys: list[str],
-              phase_ms: Callable[[Region], float]) -> GainRow:
+              phase_ms: Callable[[Region], float], whole_step: bool) -> GainRow:
     eager_ms = sum(phase_ms(c.eager) for c in comparisons)
     fused_ms = sum(phase_ms(c.fused) for c in comparisons)
+    # The report's intervals are of one module's (or kind's) forward + backward time.
+    low, high = ((comparisons[0].speedup_low, comparisons[0].speedup_high) if whole_step and len(comparisons) == 1
+                 else (None, None))
     return GainRow(label, eager_ms, fused_ms, eager_ms / fused_ms if fused_ms > 0 else None,
-                   eager_ms - fused_ms, keys)
+                   eager_ms - fused_ms, keys, low, high)
 
 
 # The report rescales the profiled op times so that each mode's rows add up to its
@@ -83,38 +96,90 @@ def _gain_row(label: str, comparisons: list[Comparison], keys: list[str],
 GAINS_AXIS = "ms per unprofiled step"
 
 
+INDISTINGUISHABLE_COLOR = "#c7c7c7"  # a fused bar whose speedup's interval holds 1.0
+
+
 def gains_figure(report: ProfileReport, group_by: str = "kind", phase: str = "both") -> go.Figure:
     """Grouped bars, eager beside fused, per row of :func:`gain_rows`; the fused bar is
-    labelled with its speedup. Each bar's ``customdata`` is its row label, so a click
-    handler can find the row again."""
+    labelled with its speedup and its 95% interval where the report has one, and drawn
+    grey where that interval holds 1.0 (no measurable difference). Each series is in the
+    figure once: the labels are the x values, the hover reads them from there."""
     rows = gain_rows(report, group_by, phase)
     labels = [row.label for row in rows]
     figure = go.Figure()
     for mode in MODES:
+        fused = mode == "fused"
         figure.add_trace(go.Bar(
-            name=mode, x=labels, y=[row.eager_ms if mode == "eager" else row.fused_ms for row in rows],
-            marker_color=MODE_COLORS[mode], customdata=labels,
-            text=[_ratio(row.speedup) for row in rows] if mode == "fused" else None,
-            textposition="outside" if mode == "fused" else None,
-            hovertemplate=f"%{{customdata}}<br>{mode}: %{{y:.3f}} ms<extra></extra>"))
-    figure.update_layout(barmode="group", title=f"Eager vs fused time by {group_by.replace('_', ' ')} ({phase})",
-                         yaxis_title=GAINS_AXIS)
+            name=mode, x=labels, y=[round(row.eager_ms if mode == "eager" else row.fused_ms, 4) for row in rows],
+            marker_color=[INDISTINGUISHABLE_COLOR if row.distinguishable is False else MODE_COLORS[mode]
+                          for row in rows] if fused else MODE_COLORS[mode],
+            text=[_speedup_text(row) for row in rows] if fused else None,
+            textposition="outside" if fused else None,
+            hovertemplate=f"%{{x}}<br>{mode}: %{{y:.3f}} ms" + ("<br>%{text}" if fused else "") + "<extra></extra>"))
+    figure.update_layout(barmode="group", title=f"Eager vs fused time by {group_by.replace('_', ' ')} ({phase})"
+                         "<br><sup>fused bar grey: its speedup's 95% interval holds 1.0 (no measurable "
+                         "difference)</sup>", yaxis_title=GAINS_AXIS)
     return figure
+
+
+def _speedup_text(row: GainRow) -> str:
+    if row.speedup_low is None or row.speedup_high is None:
+        return _ratio(row.speedup)
+    return f"{_ratio(row.speedup)} [{row.speedup_low:.2f}, {row.speedup_high:.2f}]"
+
+
+def other_explanation(report: ProfileReport) -> str:
+    """What the "(other)" row holds in each mode, and a warning when it changed
+    measurably though fusion cannot change it (plain text)."""
+    other = next((c for c in report.modules if c.key == OTHER_KEY), None)
+    if other is None:
+        return ""
+    text = (f"{OTHER_KEY}: the unprofiled step minus the modules' rescaled times: ops no fused module owns "
+            f"(embeddings, residual adds, the loss where it is not fused, optimizer steps) and the Python between "
+            f"ops. Eager: {other.eager.total_ms:.3f} ms, the original modules around those ops; fused: "
+            f"{other.fused.total_ms:.3f} ms, the same code around the twins. Fusion does not change it.")
+    if other.distinguishable:
+        text += (f" Here it changed {other.speedup:.2f}x [{other.speedup_low:.2f}, {other.speedup_high:.2f}]: "
+                 f"a difference fusion cannot cause (noise, or the profiler's overhead moved between rows), so "
+                 f"read the module rows' shares of the step with care.")
+    return text
 
 
 # ---- timeline --------------------------------------------------------------------------------
 
 
-def timeline_figure(report: ProfileReport) -> go.Figure:
+# The dashboard draws the timeline a page at a time: a window of the step holding at most
+# this many events of the busiest mode (a 30-layer model's training step has ~10k ops).
+TIMELINE_PAGE_EVENTS = 2000
+
+
+def timeline_pages(timeline: list, modes: tuple = MODES, per_page: int = TIMELINE_PAGE_EVENTS) -> list:
+    """``(start_us, end_us)`` windows of equal length that cover the timeline, as many as
+    keep the busiest mode at about ``per_page`` events per window; one window (None) for
+    a short timeline."""
+    busiest = max((sum(e.mode == mode for e in timeline) for mode in modes), default=0)
+    if busiest <= per_page:
+        return [None]
+    end = max(e.start_us + e.duration_us for e in timeline)
+    count = math.ceil(busiest / per_page)
+    return [(end * index / count, end * (index + 1) / count) for index in range(count)]
+
+
+def timeline_figure(report: ProfileReport, window: tuple | None = None) -> go.Figure:
     """Gantt chart of the profiled step, eager above fused on one time axis: one bar per
-    op on its lane (thread or stream), coloured by phase."""
-    return lanes_figure(report.timeline, MODES, "Profiled step, op by op", "µs from the step's first op")
+    op on its lane (thread or stream), coloured by phase; ``window`` (start_us, end_us)
+    draws only the ops that overlap it (:func:`timeline_pages`)."""
+    return lanes_figure(report.timeline, MODES, "Profiled step, op by op", "µs from the step's first op", window)
 
 
-def lanes_figure(timeline: list, modes: tuple, title: str, x_title: str) -> go.Figure:
+def lanes_figure(timeline: list, modes: tuple, title: str, x_title: str, window: tuple | None = None) -> go.Figure:
     """Gantt chart of ``timeline`` (TimelineEvent), one subplot per mode on one time
     axis, one bar per event on its lane, coloured by phase (also a trace file's
-    kernels, :func:`te_lab.open_trace`)."""
+    kernels, :func:`te_lab.open_trace`). Each event's start, duration, lane, name and
+    module are in the figure once; times rounded to 0.01 µs."""
+    if window is not None:
+        timeline = [e for e in timeline if e.start_us < window[1] and e.start_us + e.duration_us >= window[0]]
+        title = f"{title}: {window[0]:.0f} to {window[1]:.0f} µs"
     figure = make_subplots(rows=len(modes), cols=1, shared_xaxes=True, subplot_titles=modes,
                            vertical_spacing=0.08)
     for row, mode in enumerate(modes, start=1):
@@ -124,9 +189,10 @@ def lanes_figure(timeline: list, modes: tuple, title: str, x_title: str) -> go.F
                 continue
             figure.add_trace(go.Bar(
                 name=phase, legendgroup=phase, showlegend=row == 1, orientation="h", marker_color=color,
-                y=[e.lane for e in events], base=[e.start_us for e in events], x=[e.duration_us for e in events],
-                customdata=[(e.name, e.path or "(outside any module)", e.duration_us) for e in events],
-                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>%{customdata[2]:.1f} µs<extra></extra>"),
+                y=[e.lane for e in events], base=[round(e.start_us, 2) for e in events],
+                x=[round(e.duration_us, 2) for e in events],
+                customdata=[(e.name, e.path or "(outside any module)") for e in events],
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<br>%{x:.1f} µs<extra></extra>"),
                 row=row, col=1)
     # Bars of one lane share a y position; grouping would shift them apart.
     figure.update_layout(barmode="overlay", title=title)

@@ -49,11 +49,12 @@ def show_trace(trace) -> None:
         print(trace.summary())
         return
     import ipywidgets as widgets
-    import plotly.graph_objects as go
     from IPython.display import display
 
+    from .plots import Plot
+
     header = widgets.HTML(f"<b>{html.escape(trace.path)}</b>: {html.escape(trace.device_name)}{_notes_html(trace)}")
-    tabs = widgets.Tab(children=[go.FigureWidget(trace_timeline_figure(trace)),
+    tabs = widgets.Tab(children=[Plot(trace_timeline_figure(trace)),
                                  widgets.HTML(figures_table_html(trace)), widgets.HTML(kernel_table_html(trace))])
     for index, title in enumerate(("Timeline", "Figures", "Kernels")):
         tabs.set_title(index, title)
