@@ -30,6 +30,7 @@ from .compiled import inductor_compiled
 from .costs.bias_act import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
+from .measured_choice import op_sample
 from .precision import cast, compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, reduction_programs, tl, triton
@@ -233,22 +234,18 @@ if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str):
-    """One training call (forward and backward, through the public op) of
-    ``activation(x + bias)`` over ``rows`` x ``n`` per CPU backend, on constant inputs
-    (the caller's RNG is left alone): what the op costs around its kernels counts too."""
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) of ``activation(x + bias)`` over ``rows`` x ``n`` per CPU backend, on
+    constant inputs (the caller's RNG is left alone): what the op costs around its kernels
+    counts too."""
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.linspace(-2, 2, rows * n, dtype=dtype).view(rows, n).requires_grad_()
         bias = torch.zeros(n, dtype=dtype, requires_grad=True)
         dy = torch.full((rows, n), 0.01, dtype=dtype)
-
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                torch.autograd.grad(bias_act(x, bias, activation, backend=backend), (x, bias), dy)
-        return run
-
-    return {name: sample(name) for name in BIAS_ACT.cpu_measured}
+    return {name: op_sample(lambda name=name: bias_act(x, bias, activation, backend=name), (x, bias), dy,
+                            training=training)
+            for name in BIAS_ACT.cpu_measured}
 
 
 BIAS_ACT = register_op(FusedOp(
@@ -258,7 +255,7 @@ BIAS_ACT = register_op(FusedOp(
     # On the CPU the fastest of cpp, native and inductor is measured per class of sizes
     # and activation.
     cpu_preference="cpp",
-    cpu_measured=("cpp", "native", "inductor"),
+    cpu_measured=("cpp", "native", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     costs=COSTS,
 ))

@@ -39,7 +39,7 @@ from .checks import check_choice, check_label_tensor, check_labels_in_range, che
 from .compiled import inductor_compiled
 from .costs.cross_entropy import COSTS
 from .custom_ops import custom_op
-from .measured_choice import size_class
+from .measured_choice import op_sample, size_class
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -242,20 +242,16 @@ def measured_rows(rows: int, vocab: int) -> int:
     return max(min(rows, SAMPLE_ELEMENTS // size_class(vocab)), 1)
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int):
-    """One training call (forward and backward, through the public op) per CPU backend
-    over ``rows`` x ``vocab`` logits, on constant inputs (the caller's RNG is left alone)."""
+def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) per CPU backend over ``rows`` x ``vocab`` logits, on constant inputs (the
+    caller's RNG is left alone)."""
     with torch.inference_mode(False), torch.enable_grad():
         logits = torch.linspace(-4, 4, rows * vocab, dtype=dtype).view(rows, vocab).requires_grad_()
         labels = torch.arange(rows) % vocab
-
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                torch.autograd.grad(cross_entropy(logits, labels, backend=backend), (logits,))
-        return run
-
-    return {name: sample(name) for name in CROSS_ENTROPY.cpu_measured}
+    return {name: op_sample(lambda name=name: cross_entropy(logits, labels, backend=name), (logits,), None,
+                            training=training)
+            for name in CROSS_ENTROPY.cpu_measured}
 
 
 CROSS_ENTROPY = register_op(FusedOp(
@@ -263,7 +259,7 @@ CROSS_ENTROPY = register_op(FusedOp(
     reference=cross_entropy_reference,
     implementations=IMPLEMENTATIONS,
     cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor"),
+    cpu_measured=("cpp", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     costs=COSTS,
 ))

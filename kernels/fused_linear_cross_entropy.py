@@ -136,11 +136,13 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
     return losses, grad_hidden, grad_weight, grad_bias
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int):
-    """Per CPU backend, one chunk's row kernels as a training step runs them: loss and
-    gradient of ``rows`` x ``vocab`` scratch logits (refilled first, since a backend may
-    write the gradient over them), on constant inputs (the caller's RNG is left alone).
-    The chunk's matmuls cost the same on every backend and are left out."""
+def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int, *, training: bool = True):
+    """Per CPU backend, one chunk's row kernels as a training step runs them (loss and
+    gradient of ``rows`` x ``vocab`` scratch logits, refilled first, since a backend may
+    write the gradient over them) or, without ``training``, the loss alone; on constant
+    inputs (the caller's RNG is left alone). The chunk's matmuls cost the same on every
+    backend and are left out. ``reference`` is no contender here: the choice is between
+    row kernels of the chunked loss, not between fusing and not."""
     filled = torch.linspace(-4, 4, rows * vocab, dtype=dtype).view(rows, vocab)
     logits = torch.empty_like(filled)
     labels = torch.arange(rows) % vocab
@@ -148,7 +150,7 @@ def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int):
     def sample(backend):
         def run():
             logits.copy_(filled)
-            CHUNK_IMPLEMENTATIONS[backend].forward(logits, labels, -100, 0.0, 0.0, True, True)
+            CHUNK_IMPLEMENTATIONS[backend].forward(logits, labels, -100, 0.0, 0.0, training, True)
         return run
 
     return {name: sample(name) for name in FUSED_LINEAR_CROSS_ENTROPY.cpu_measured}

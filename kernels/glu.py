@@ -28,6 +28,7 @@ from .compiled import inductor_compiled
 from .costs.glu import COSTS
 from .custom_ops import custom_op
 from .layout import shaped_like
+from .measured_choice import op_sample
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -196,21 +197,17 @@ class _Cpp:
         return dgate, (None if up is None else dup)
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str):
-    """One training call (forward and backward, through the public op) over a ``rows`` x
-    2``n`` gate-up input per CPU backend, on constant inputs (the caller's RNG is left
-    alone): the C++ backend's gain is mostly what it saves around its kernels."""
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) over a ``rows`` x 2``n`` gate-up input per CPU backend, on constant inputs
+    (the caller's RNG is left alone): the C++ backend's gain is mostly what it saves around
+    its kernels."""
     with torch.inference_mode(False), torch.enable_grad():
         gate_up = torch.linspace(-3, 3, rows * 2 * n, dtype=dtype).view(rows, 2 * n).requires_grad_()
         dy = torch.full((rows, n), 0.01, dtype=dtype)
-
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                torch.autograd.grad(glu(gate_up, None, activation, backend=backend), (gate_up,), dy)
-        return run
-
-    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+    return {name: op_sample(lambda name=name: glu(gate_up, None, activation, backend=name), (gate_up,), dy,
+                            training=training)
+            for name in GLU.cpu_measured}
 
 
 _IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
@@ -222,7 +219,7 @@ GLU = register_op(FusedOp(
     reference=glu_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor"),
+    cpu_measured=("cpp", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     costs=COSTS,
 ))

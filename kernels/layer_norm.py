@@ -28,6 +28,7 @@ from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
+from .measured_choice import op_sample
 from .precision import cast, compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
 from .triton_support import (
@@ -330,23 +331,19 @@ if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, n: int):
-    """One training call (forward and backward, through the public op) of an affine
-    LayerNorm over ``rows`` x ``n`` per CPU backend, on constant inputs (the caller's RNG
-    is left alone): what the C++ backend saves is mostly the Python around the kernels."""
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) of an affine LayerNorm over ``rows`` x ``n`` per CPU backend, on constant
+    inputs (the caller's RNG is left alone): what the C++ backend saves is mostly the
+    Python around the kernels."""
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n).requires_grad_()
         weight = torch.ones(n, dtype=dtype, requires_grad=True)
         bias = torch.zeros(n, dtype=dtype, requires_grad=True)
         dy = torch.full((rows, n), 0.01, dtype=dtype)
-
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                torch.autograd.grad(layer_norm(x, weight, bias, backend=backend), (x, weight, bias), dy)
-        return run
-
-    return {name: sample(name) for name in ("cpp", "native", "inductor")}
+    return {name: op_sample(lambda name=name: layer_norm(x, weight, bias, backend=name), (x, weight, bias), dy,
+                            training=training)
+            for name in LAYER_NORM.cpu_measured}
 
 
 LAYER_NORM = register_op(FusedOp(
@@ -359,7 +356,7 @@ LAYER_NORM = register_op(FusedOp(
     # reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU: native
     # 1.13-1.21x eager, inductor 0.90-0.99x).
     cpu_preference="cpp",
-    cpu_measured=("cpp", "native", "inductor"),
+    cpu_measured=("cpp", "native", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     native_supports=_native_supports,
     costs=COSTS,

@@ -30,7 +30,14 @@ from .checks import check_tensor
 from .costs.linear import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
-from .registry import FusedOp, aten_kernel_exists, forced_backend, measured_cpu_choice, register_op, select_backend
+from .registry import (
+    FusedOp,
+    aten_kernel_exists,
+    forced_backend,
+    register_op,
+    select_backend,
+    select_measured_backend,
+)
 
 NAME = "linear"
 
@@ -70,9 +77,11 @@ def _native_supports(device_type: str) -> bool:
     return device_type == "cpu" and _onednn_available()
 
 
-def _sample_products(dtype: torch.dtype, tokens: int, in_features: int, out_features: int):
-    """A projection's three products (forward, dx, dW) on each library, on constant inputs
-    of the given sizes (the caller's RNG and tensors are left alone)."""
+def _sample_products(dtype: torch.dtype, tokens: int, in_features: int, out_features: int, *, training: bool = True):
+    """Per backend, on constant inputs of the given sizes (the caller's RNG and tensors are
+    left alone): for training, a projection's three products (forward, dx, dW) on each
+    library; for a forward alone (a decode step), the public op's forward, since at a few
+    tokens what the op costs around its GEMM decides."""
     x = torch.full((tokens, in_features), 0.01, dtype=dtype)
     weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
     dy = torch.full((tokens, out_features), 0.01, dtype=dtype)
@@ -85,7 +94,16 @@ def _sample_products(dtype: torch.dtype, tokens: int, in_features: int, out_feat
     def blas():
         F.linear(x, weight), torch.mm(dy, weight), torch.mm(dy.t(), x)
 
-    return {"native": onednn, "reference": blas}
+    if training:
+        return {"native": onednn, "reference": blas}
+
+    def forward(backend):
+        @torch.no_grad()
+        def run():
+            linear(x, weight, backend=backend)
+        return run
+
+    return {name: forward(name) for name in LINEAR.cpu_measured}
 
 
 class _Native:
@@ -107,8 +125,9 @@ LINEAR = register_op(FusedOp(
     name=NAME,
     reference=linear_reference,
     implementations=_IMPLEMENTATIONS,
-    # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend).
-    cpu_preference="native",
+    # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend);
+    # torch's own F.linear where it is not measured (TE_LAB_CHOICES=off, another dtype).
+    cpu_preference="reference",
     cpu_measured=("native", "reference"),
     cpu_samples=_sample_products,
     native_supports=_native_supports,
@@ -192,25 +211,22 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 
 
 def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
-    """The registry's choice, except that an automatic ``native`` is kept only in float32
-    and where oneDNN measured faster than the BLAS for these sizes on this machine; a
-    forced ``native`` refuses only what oneDNN cannot run. The dtype is the one the GEMMs
-    run in: under autocast, the region's."""
-    chosen = select_backend(LINEAR, x.device, requested)
-    if chosen != "native":
-        return chosen
+    """The registry's choice: in float32, an automatic choice takes oneDNN only where it
+    measured faster than the BLAS for these sizes and this kind of call on this machine
+    (``select_measured_backend``); in other dtypes ``reference`` unless ``native`` is
+    forced, which refuses only what oneDNN cannot run. The dtype is the one the GEMMs run
+    in: under autocast, the region's."""
     dtype = LIKE_LINEAR.cast_dtype(x.device.type) or x.dtype
-    forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(LINEAR)
-    if forced == "native":
-        if dtype not in _onednn_dtypes():
-            raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run its GEMMs in {dtype}: "
-                             f"oneDNN takes {' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} "
-                             f"on this CPU")
-        return chosen
-    if dtype != torch.float32 or forced == "reference":
-        return "reference"
-    tokens = x.numel() // max(x.shape[-1], 1)
-    return measured_cpu_choice(LINEAR, dtype, (tokens, weight.shape[1], weight.shape[0]), default="reference")
+    if dtype == torch.float32:
+        tokens = x.numel() // max(x.shape[-1], 1)
+        return select_measured_backend(LINEAR, x.device, requested, dtype, (tokens, weight.shape[1], weight.shape[0]))
+    chosen = select_backend(LINEAR, x.device, requested)
+    if chosen == "native" and dtype not in _onednn_dtypes():
+        source = "backend=" if requested not in (None, "auto") else forced_backend(LINEAR)[1]
+        raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run its GEMMs in {dtype}: "
+                         f"oneDNN takes {' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} "
+                         f"on this CPU")
+    return chosen
 
 
 def runs_on_onednn(x: Tensor, weight: Tensor) -> bool:
@@ -225,6 +241,13 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend:
     [out]) on the backend that runs its GEMMs fastest here (see the module doc).
     ``backend`` forces ``"native"`` (oneDNN) or ``"reference"`` (``F.linear``)."""
     _check_inputs(x, weight, bias)
+    return linear_of_module(x, weight, bias, backend)
+
+
+def linear_of_module(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend: Optional[str]) -> Tensor:
+    """:func:`linear` without its argument checks, for an ``nn.Linear``'s own weight and
+    bias (consistent by construction; ``F.linear`` still refuses an ``x`` that does not
+    fit): a decode step calls several per layer, each on one row."""
     chosen = _choose_backend(x, weight, backend)
     if chosen == "reference":
         return linear_reference(x, weight, bias)

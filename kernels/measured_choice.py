@@ -35,7 +35,10 @@ ROUNDS = 7
 SAMPLE_SECONDS = 0.002
 
 _decisions: dict[str, dict] = {}  # "<decision> <shape class>" -> choice and timings, as cached on disk
-_known: dict[tuple, str] = {}  # (decision, shape class) -> choice: the per-call lookup
+# (decision, shape class) -> choice: the per-call lookup; also a call's exact arguments ->
+# the registry's settled answer (remember), so that clearing it forgets both.
+_known: dict[tuple, str] = {}
+REMEMBERED_CALLS = 8192  # past this many distinct calls (sizes that never repeat), start again
 
 
 def cpu_model() -> str:
@@ -122,6 +125,23 @@ def _median_times_us(candidates: Mapping[str, Callable[[], object]]) -> dict[str
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def op_sample(call: Callable[[], object], inputs: tuple, upstream, *, training: bool) -> Callable[[], None]:
+    """One sample of an op for a measured choice: with ``training``, ``call()`` (the public
+    op on a backend) and the gradients of ``inputs`` for ``upstream``, through autograd,
+    as a training step runs it; otherwise ``call()`` alone without gradients, as a decode
+    step runs it. Either way outside any ``inference_mode`` the caller is in."""
+    if training:
+        def forward_and_backward():
+            with torch.inference_mode(False), torch.enable_grad():
+                torch.autograd.grad(call(), inputs, upstream)
+        return forward_and_backward
+
+    def forward():
+        with torch.inference_mode(False), torch.no_grad():
+            call()
+    return forward
+
+
 def _keep(tensor):
     return tensor
 
@@ -139,6 +159,18 @@ def _own_saved_tensors():
 def known(decision: str, shape_class: tuple) -> Optional[str]:
     """The choice already made in this process for ``decision`` at ``shape_class``, if any."""
     return _known.get((decision, shape_class))
+
+
+def remembered(call: tuple) -> Optional[str]:
+    """The registry's settled answer for a call with exactly these arguments (see
+    :func:`te_lab.kernels.registry.select_measured_backend`), if remembered."""
+    return _known.get(call)
+
+
+def remember(call: tuple, choice: str) -> None:
+    if len(_known) >= REMEMBERED_CALLS:
+        _known.clear()  # the decisions themselves stay in _decisions and come back by lookup
+    _known[call] = choice
 
 
 def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[str, Callable[[], object]]],

@@ -12,8 +12,10 @@ that implement it. :func:`select_backend` picks one per call, in this order:
    CPU backend (``native`` when an existing fused ATen kernel does the job well,
    ``cpp`` where te_lab has C++ kernels for it (:mod:`te_lab.kernels.cpu_kernels`),
    ``inductor`` otherwise), and ``reference`` as the last resort. Ops that name
-   ``cpu_measured`` backends take, per class of the call's sizes, whichever of them
-   measured fastest on this machine.
+   ``cpu_measured`` backends take, per class of the call's sizes and per kind of call
+   (a training call, forward and backward, or one without gradients: a decode step),
+   whichever of them measured fastest on this machine; ``reference``, the unfused math,
+   is one of them, so an automatic choice is never slower than not fusing.
 
 A forced backend that the op lacks or the device cannot run raises a ``ValueError``
 naming the op, the backend and the device. Selection is plain Python that
@@ -32,7 +34,7 @@ import torch
 from te_lab import device as devices
 
 from . import cpu_kernels
-from .measured_choice import choose, known, size_class
+from .measured_choice import choose, known, remember, remembered, size_class
 
 BACKENDS = ("triton", "native", "inductor", "cpp", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
@@ -57,9 +59,10 @@ class FusedOp:
     implementations: Mapping[str, object]
     cpu_preference: str = "inductor"
     native_supports: Callable[[str], bool] = field(default=lambda device_type: True)
-    # Backends whose automatic CPU choice is measured per class of a call's sizes, and
-    # ``cpu_samples(dtype, *size classes, *extras)``: name -> one forward and backward on
-    # inputs of those sizes (see measured_cpu_choice).
+    # Backends whose automatic CPU choice is measured per class of a call's sizes (with
+    # ``reference`` among them), and ``cpu_samples(dtype, *size classes, *extras,
+    # training=...)``: name -> one call on inputs of those sizes, forward and backward for
+    # training, the forward alone without gradients (see measured_cpu_choice).
     cpu_measured: tuple[str, ...] = ()
     cpu_samples: Optional[Callable[..., Mapping[str, Callable[[], object]]]] = None
     costs: Mapping[str, Callable] = field(default_factory=dict)
@@ -199,38 +202,76 @@ def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str]
     return chosen
 
 
+def training_call() -> bool:
+    """Whether an op called now is measured as a training call (forward and backward) rather
+    than a forward alone: gradients are on. Generation (``model.generate`` runs under
+    ``torch.no_grad``) and ``torch.inference_mode`` are forward-only calls."""
+    return torch.is_grad_enabled()
+
+
 def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...], extras: tuple = (),
-                        default: Optional[str] = None) -> str:
+                        default: Optional[str] = None, *, training: bool = True) -> str:
     """The fastest of ``op.cpu_measured`` on this machine for a call of ``dtype`` whose sizes
-    fall in the class of ``sizes`` (each rounded up to a power of two) and with ``extras``
-    (e.g. the activation): measured once, interleaved, among the candidates this process
-    can run, then cached per machine (:mod:`te_lab.kernels.measured_choice`); ``default``
-    (the first runnable candidate unless given) where measuring is off."""
+    fall in the class of ``sizes`` (each rounded up to a power of two), with ``extras``
+    (e.g. the activation), as a training call (forward and backward) or, with
+    ``training=False``, a forward alone: measured once, interleaved, among the candidates
+    this process can run, then cached per machine (:mod:`te_lab.kernels.measured_choice`);
+    ``default`` (the first runnable candidate unless given) where measuring is off."""
+    return _measured_cpu_choice(op, dtype, sizes, extras, default, training)[0]
+
+
+def _measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...], extras: tuple,
+                         default: Optional[str], training: bool) -> tuple[str, bool]:
+    """:func:`measured_cpu_choice`, and whether that answer is settled (decided, not a
+    default taken because measuring is off or impossible here)."""
     decision = f"{op.name}: CPU backend"
     classes = tuple(size_class(size) for size in sizes)
-    shape_class = (str(dtype).removeprefix("torch."), *classes, *extras)
+    # A forward-only call's class says so; a training call's keeps the key it always had.
+    shape_class = (str(dtype).removeprefix("torch."), *classes, *extras) + (() if training else ("inference",))
     choice = known(decision, shape_class)  # the per-call path: one dict lookup
     if choice is not None:
-        return choice
+        return choice, True
     cpu = torch.device("cpu")
     runnable = tuple(name for name in op.cpu_measured if unavailable_reason(op, name, cpu) is None)
 
     def candidates():
-        samples = op.cpu_samples(dtype, *classes, *extras)
+        samples = op.cpu_samples(dtype, *classes, *extras, training=training)
         return {name: samples[name] for name in runnable}
 
-    return choose(decision, shape_class, candidates, default if default in runnable else runnable[0], runnable)
+    choice = choose(decision, shape_class, candidates, default if default in runnable else runnable[0], runnable)
+    return choice, known(decision, shape_class) is not None
 
 
 def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
                             sizes: tuple[int, ...], extras: tuple = ()) -> str:
     """:func:`select_backend`, except that where the choice is automatic on the CPU and the
-    op measures its CPU backends, the one that measured fastest for these sizes
-    (:func:`measured_cpu_choice`)."""
+    op measures its CPU backends, the one that measured fastest for these sizes and this
+    kind of call (:func:`measured_cpu_choice`, :func:`training_call`).
+
+    This runs on every call of a fused op, so a settled answer is remembered for the
+    call's exact arguments (op, device type, ``requested``, ``TE_LAB_BACKEND``'s value,
+    dtype, sizes, extras, kind of call) outside ``use_backend`` blocks, torch.compile's
+    tracing and dispatch or function modes (whose sizes may be symbolic): a decode step's
+    ops then pay one dict lookup each."""
+    training = training_call()
+    if (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return _select_measured(op, device, requested, dtype, sizes, extras, training)[0]
+    call = (op.name, device.type, requested, os.environ.get(ENV_VAR), dtype, sizes, extras, training)
+    chosen = remembered(call)
+    if chosen is None:
+        chosen, settled = _select_measured(op, device, requested, dtype, sizes, extras, training)
+        if settled:
+            remember(call, chosen)
+    return chosen
+
+
+def _select_measured(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
+                     sizes: tuple[int, ...], extras: tuple, training: bool) -> tuple[str, bool]:
     chosen, automatic = _select(op, device, requested)
     if not automatic or chosen not in op.cpu_measured or devices.is_gpu(device):
-        return chosen
-    return measured_cpu_choice(op, dtype, sizes, extras, default=chosen)
+        return chosen, True
+    return _measured_cpu_choice(op, dtype, sizes, extras, chosen, training)
 
 
 def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:

@@ -27,6 +27,7 @@ from .compiled import inductor_compiled
 from .costs.rms_norm import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
+from .measured_choice import op_sample
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
 from .triton_support import (
@@ -271,22 +272,17 @@ class _Cpp:
         return dx, (dw if need_dw else None)
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, n: int):
-    """One training call (forward and backward, through the public op) of a weighted
-    RMSNorm over ``rows`` x ``n`` per CPU backend, on constant inputs (the caller's RNG is
-    left alone): the C++ backend's gain is mostly what it saves around its kernels."""
+def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) of a weighted RMSNorm over ``rows`` x ``n`` per CPU backend, on constant
+    inputs (the caller's RNG is left alone): the C++ backend's gain is mostly what it saves
+    around its kernels."""
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.linspace(-1, 1, rows * n, dtype=dtype).view(rows, n).requires_grad_()
         weight = torch.ones(n, dtype=dtype, requires_grad=True)
         dy = torch.full((rows, n), 0.01, dtype=dtype)
-
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                torch.autograd.grad(rms_norm(x, weight, backend=backend), (x, weight), dy)
-        return run
-
-    return {"cpp": sample("cpp"), "inductor": sample("inductor")}
+    return {name: op_sample(lambda name=name: rms_norm(x, weight, backend=name), (x, weight), dy, training=training)
+            for name in RMS_NORM.cpu_measured}
 
 
 _IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
@@ -298,7 +294,7 @@ RMS_NORM = register_op(FusedOp(
     reference=rms_norm_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor"),
+    cpu_measured=("cpp", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     native_supports=_native_supports,
     costs=COSTS,

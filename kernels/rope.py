@@ -39,6 +39,7 @@ from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .costs.rope import COSTS
 from .custom_ops import custom_op
+from .measured_choice import op_sample
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -291,10 +292,11 @@ class _Cpp:
         return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout)
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool):
-    """One training call (forward and backward, through the public op) per CPU backend
-    rotating ``rows`` rows of ``head_dim``, half of them q's and half k's (one batch, one
-    head, the full head rotated), on constant inputs (the caller's RNG is left alone)."""
+def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool, *, training: bool = True):
+    """One call (a training call, forward and backward, or a forward alone; through the
+    public op) per CPU backend rotating ``rows`` rows of ``head_dim``, half of them q's and
+    half k's (one batch, one head, the full head rotated), on constant inputs (the caller's
+    RNG is left alone)."""
     rows = max(rows // 2, 1)
     with torch.inference_mode(False), torch.enable_grad():
         q = torch.linspace(-1, 1, rows * head_dim, dtype=dtype).view(1, 1, rows, head_dim).requires_grad_()
@@ -303,14 +305,9 @@ def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool
         cos, sin = angles.cos(), angles.sin()
         dq = torch.full(q.shape, 0.01, dtype=dtype)
 
-    def sample(backend):
-        def run():
-            with torch.inference_mode(False), torch.enable_grad():
-                q_out, k_out = apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
-                torch.autograd.grad((q_out, k_out), (q, k), (dq, dq))
-        return run
-
-    return {name: sample(name) for name in ROPE.cpu_measured}
+    return {name: op_sample(lambda name=name: apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=name),
+                            (q, k), (dq, dq), training=training)
+            for name in ROPE.cpu_measured}
 
 
 _IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
@@ -322,7 +319,7 @@ ROPE = register_op(FusedOp(
     reference=apply_rotary_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor"),
+    cpu_measured=("cpp", "inductor", "reference"),
     cpu_samples=_cpu_samples,
     costs=COSTS,
 ))

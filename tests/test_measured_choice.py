@@ -128,8 +128,13 @@ def test_the_automatic_cpu_backend_is_the_measured_fastest_one(fresh_cache, monk
     call(module, x)
     decision = measured_choice.decisions()[f"{op_name}: CPU backend {sizes}"]
     assert set(decision["median_us"]) == runnable and len(runnable) >= 2
-    # The last call is the caller's (the samples before it may run the op too).
-    assert ran[-1] == decision["choice"] == min(decision["median_us"], key=decision["median_us"].get)
+    assert decision["choice"] == min(decision["median_us"], key=decision["median_us"].get)
+    # The unfused math is a contender (the LM head's chunks choose between row kernels only).
+    assert ("reference" in runnable) == (op_name != "fused_linear_cross_entropy")
+    ran.clear()  # the samples ran the op too
+    call(module, x)
+    # The reference runs no te_lab op.
+    assert ran == ([] if decision["choice"] == "reference" else [decision["choice"]])
     call(module, x[:, :2])  # 6 rows: a new class, measured too
     assert len([key for key in measured_choice.decisions() if key.startswith(op_name)]) == 2
     with use_backend(**{op_name: "inductor"}):
@@ -169,3 +174,77 @@ def test_a_first_measurement_inside_a_checkpointed_region_leaves_its_recomputati
     expected_gate = gate.detach().requires_grad_()
     (expected,) = torch.autograd.grad(region(expected_gate).sum(), expected_gate)
     torch.testing.assert_close(grad, expected)
+
+
+def _fake_timings(times_us):
+    """A stand-in for the interleaved timing: each candidate's median as given (the
+    candidates' samples still run once each, so they are checked to work)."""
+    def median_times_us(candidates):
+        for run in candidates.values():
+            run()
+        return {name: times_us[name] for name in candidates}
+    return median_times_us
+
+
+def test_the_unfused_math_is_chosen_where_it_measured_faster_and_forward_only_calls_have_their_own_class(
+        fresh_cache, monkeypatch):
+    rms_norm = importlib.import_module("te_lab.kernels.rms_norm")
+    op = registered_ops()["rms_norm"]
+    assert "reference" in op.cpu_measured
+    runnable = [name for name in op.cpu_measured if name in available_backends(op, torch.device("cpu"))]
+    trained = []
+    samples = op.cpu_samples
+    monkeypatch.setattr(type(op), "cpu_samples", property(lambda self: lambda *args, **kwargs: (
+        trained.append(kwargs["training"]) or samples(*args, **kwargs))), raising=False)
+    ran = []
+    original = rms_norm._rms_norm_op
+    monkeypatch.setattr(rms_norm, "_rms_norm_op", lambda *args: ran.append(args[-1]) or original(*args))
+    # Decode: one row, no gradients; the unfused math measured fastest.
+    monkeypatch.setattr(measured_choice, "_median_times_us",
+                        _fake_timings({"cpp": 30.0, "inductor": 40.0, "reference": 10.0}))
+    x, weight = torch.randn(1, 1, 64), torch.rand(64) + 0.5
+    with torch.no_grad():
+        out = rms_norm.rms_norm(x, weight)
+    torch.testing.assert_close(out, rms_norm.rms_norm_reference(x, weight))
+    decision = measured_choice.decisions()["rms_norm: CPU backend ('float32', 1, 64, 'inference')"]
+    assert decision == {"choice": "reference", "median_us": {name: {"cpp": 30.0, "inductor": 40.0,
+                                                                    "reference": 10.0}[name] for name in runnable}}
+    assert trained == [False]  # forward-only samples for a forward-only call
+    ran.clear()
+    with torch.no_grad():
+        rms_norm.rms_norm(x, weight)
+    assert ran == []  # the reference: no te_lab op
+    # A training call of the same sizes is its own class, measured forward and backward.
+    monkeypatch.setattr(measured_choice, "_median_times_us",
+                        _fake_timings({"cpp": 10.0, "inductor": 40.0, "reference": 30.0}))
+    rms_norm.rms_norm(x.requires_grad_(), weight)
+    assert trained == [False, True]
+    assert measured_choice.decisions()["rms_norm: CPU backend ('float32', 1, 64)"]["choice"] == "cpp"
+    assert ran[-1] == "cpp"
+
+
+def test_a_remembered_choice_still_yields_to_use_backend_the_environment_and_forget(fresh_cache, monkeypatch):
+    rms_norm = importlib.import_module("te_lab.kernels.rms_norm")
+    ran = []
+    original = rms_norm._rms_norm_op
+    monkeypatch.setattr(rms_norm, "_rms_norm_op", lambda *args: ran.append(args[-1]) or original(*args))
+    monkeypatch.setattr(measured_choice, "_median_times_us",
+                        _fake_timings({"cpp": 10.0, "inductor": 5.0, "reference": 30.0}))
+    monkeypatch.delenv("TE_LAB_BACKEND", raising=False)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        rms_norm.rms_norm(x)
+        ran.clear()  # the samples ran the op too
+        rms_norm.rms_norm(x)  # remembered for these exact arguments
+        with use_backend(rms_norm="reference"):
+            rms_norm.rms_norm(x)
+        monkeypatch.setenv("TE_LAB_BACKEND", "rms_norm=cpp")
+        rms_norm.rms_norm(x)
+        monkeypatch.delenv("TE_LAB_BACKEND")
+        rms_norm.rms_norm(x)
+        assert ran == ["inductor", "cpp", "inductor"]  # the reference ran no te_lab op
+        measured_choice.forget("rms_norm")
+        monkeypatch.setattr(measured_choice, "_median_times_us",
+                            _fake_timings({"cpp": 10.0, "inductor": 50.0, "reference": 30.0}))
+        rms_norm.rms_norm(x)
+    assert ran[-1] == "cpp"

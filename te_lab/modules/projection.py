@@ -15,7 +15,7 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from te_lab.kernels.linear import LINEAR, linear
+from te_lab.kernels.linear import LINEAR, linear_of_module
 
 # A 256 x 256 weight: measured on the 2-core CPU (1 thread), oneDNN's forward product of a
 # 512-token batch through it takes 0.28 ms against MKL's 0.63, a saving well above the
@@ -33,7 +33,7 @@ def routes_to_linear(module: nn.Module) -> bool:
 def project(module: nn.Module, x: Tensor, backend: Optional[str]) -> Tensor:
     """``module(x)``, through ``linear`` (with ``backend``) where :func:`routes_to_linear`."""
     if routes_to_linear(module):
-        return linear(x, module.weight, module.bias, backend=backend)
+        return linear_of_module(x, module.weight, module.bias, backend)
     return module(x)
 
 
