@@ -174,17 +174,22 @@ def match_projections(module: nn.Module) -> MatchResult:
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
         return inputs(batch, seq, table_width)
 
-    def variant(rotary: str) -> Variant:
+    def variant(rotary: str, fused_norms: bool) -> Variant:
         def build(options: BuildOptions) -> FusedAttention:
-            fused_norms = rms_norms is not None and None not in rms_norms and "rmsnorm" in options.enabled_rules
             return FusedAttention(
                 module, projections=names, rotary=rotary, fused_rope="rope" in options.enabled_rules, **features,
-                qk_rms_norms=rms_norms if fused_norms else None,
+                qk_rms_norms=rms_norms if fused_norms and "rmsnorm" in options.enabled_rules else None,
                 **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
                 fused_attention="attention" in options.enabled_rules, backend=options.backend)
-        return Variant(build, note="" if rotary == "rotate_half" else f"rotary: {rotary}")
+        notes = ([] if rotary == "rotate_half" else [f"rotary: {rotary}"]) + \
+            (["q/k norms run as the module's own"] if norms is not None and not fused_norms else [])
+        return Variant(build, note="; ".join(notes))
 
-    return Match([variant(rotary) for rotary in _rotary_styles(module)], example, probe_outputs=_attention_output)
+    # Each rotation with te_lab's rms_norm for RMSNorm q/k norms, then with the module's own
+    # norms: the probe judges the norms' rounding with the rest of the attention.
+    norm_choices = (True, False) if rms_norms is not None and None not in rms_norms else (False,)
+    variants = [variant(rotary, fused) for rotary in _rotary_styles(module) for fused in norm_choices]
+    return Match(variants, example, probe_outputs=_attention_output)
 
 
 def match_qkv_projection(module: nn.Module) -> MatchResult:
