@@ -1,4 +1,4 @@
-"""The ``te-lab`` command: ``demo``, ``profile``, ``bench``, ``gpu-check``, ``info`` and ``lab``, one
+"""The ``te-lab`` command: ``demo``, ``profile``, ``generate``, ``bench``, ``gpu-check``, ``info`` and ``lab``, one
 file per command. Each module has ``add_parser(subcommands)``, which declares its
 options and sets ``run(args) -> exit status`` as the parser's default."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from . import bench, demo, gpu_check, info, lab, profile
+from . import bench, demo, generate, gpu_check, info, lab, profile
 
-COMMANDS = (demo, profile, bench, gpu_check, info, lab)
+COMMANDS = (demo, profile, generate, bench, gpu_check, info, lab)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,114 @@
+"""Generation, fused against unfused: greedy tokens identical (batch 1 through the KV
+cache, dynamic and static; a left-padded batch through Hugging Face's generate), the
+generation benchmark's records, and ``te-lab generate``."""
+
+import copy
+
+import pytest
+import torch
+
+import te_lab
+from te_lab.benchmarks import generation
+from te_lab.cli import main as cli_main
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_llama(layers=2):
+    """A tiny random Hugging Face Llama with GQA, and its unfused copy, fused on a sample."""
+    model = te_lab.models.huggingface("llama", "tiny", num_layers=layers, seed=3)
+    model.eval()
+    reference = copy.deepcopy(model)
+    sample = torch.randint(1, 250, (2, 12), generator=torch.Generator().manual_seed(5))
+    report = te_lab.fuse(model, sample={"input_ids": sample}, progress=False)
+    assert {row.rule for row in report.fused} >= {"attention", "swiglu_mlp", "rmsnorm"}
+    return model, reference
+
+
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_greedy_decoding_at_batch_1_gives_the_unfused_tokens(static_cache):
+    model, reference = hf_llama()
+    prompt = torch.randint(1, 250, (1, 10), generator=torch.Generator().manual_seed(7))
+    fused = generation.generate(model, model, prompt, 8, static_cache=static_cache)
+    unfused = generation.generate(reference, reference, prompt, 8, static_cache=static_cache)
+    assert fused.tokens.shape == (1, 18) and torch.equal(fused.tokens[:, :10], prompt)
+    assert torch.equal(fused.tokens, unfused.tokens)
+    # The same tokens as Hugging Face's own greedy generate of the unfused model.
+    expected = reference.generate(prompt, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(prompt),
+                                  pad_token_id=0)
+    assert torch.equal(fused.tokens, expected)
+    assert fused.prefill_s > 0 and fused.decode_s > 0
+
+
+def test_greedy_decoding_of_a_left_padded_batch_gives_the_unfused_tokens():
+    model, reference = hf_llama()
+    ids = torch.randint(1, 250, (4, 12), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    for row, padding in enumerate((0, 3, 5, 8)):  # left padding of every length
+        ids[row, :padding] = 0
+        mask[row, :padding] = 0
+    options = dict(max_new_tokens=6, do_sample=False, attention_mask=mask, pad_token_id=0)
+    with torch.no_grad():
+        tokens = model.generate(ids, **options)
+        expected = reference.generate(ids, **options)
+    assert tokens.shape == (4, 18)
+    assert torch.equal(tokens, expected)
+
+
+def test_a_demo_model_decodes_without_a_cache_the_tokens_of_its_full_forward():
+    model = te_lab.models.llama("tiny", seed=1).eval()
+    prompt = torch.randint(1, 250, (2, 6), generator=torch.Generator().manual_seed(2))
+    result = generation.generate(model, model, prompt, 4)
+    sequence = prompt
+    with torch.no_grad():
+        for _ in range(4):
+            sequence = torch.cat([sequence, model(sequence).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(result.tokens, sequence)
+
+
+def test_the_generation_benchmark_reports_prefill_and_decode_per_mode_with_ratios():
+    config = generation.Config(models=("llama-tiny",), batches=(2,), prompts=(8,), new_tokens=4, rounds=3,
+                               warmup=0, modes=("eager", "fused"))
+    [record] = generation.run(config)
+    assert (record["model"], record["batch"], record["prompt"], record["kv_cache"]) == ("llama-tiny", 2, 8, False)
+    assert record["fused_modules"] > 0
+    for name in ("eager", "fused"):
+        mode = record["modes"][name]
+        assert mode["error"] is None and mode["tokens_identical_to_eager"] is True
+        assert len(mode["prefill_ms"]) == len(mode["decode_ms_per_token"]) == 3
+        assert mode["prefill_tokens_per_s"] == pytest.approx(2 * 8 / (sorted(mode["prefill_ms"])[1] / 1000))
+        assert mode["decode_tokens_per_s"] == pytest.approx(2 / (sorted(mode["decode_ms_per_token"])[1] / 1000))
+    ratios = {(r["contender"], r["over"], r["phase"]): r for r in record["speedups"]}
+    assert set(ratios) == {("fused", "eager", "prefill"), ("fused", "eager", "decode")}
+    decode = ratios[("fused", "eager", "decode")]
+    assert decode["value"] == pytest.approx(sorted(record["modes"]["eager"]["decode_ms_per_token"])[1]
+                                            / sorted(record["modes"]["fused"]["decode_ms_per_token"])[1])
+    assert decode["interval_low"] <= decode["value"] <= decode["interval_high"]
+    table = generation.markdown([record])
+    assert len(table) == 4 and table[3].startswith("| llama-tiny | 2 | 8 | fused |") and table[3].endswith("| yes |")
+
+
+def test_the_generation_benchmark_refuses_bad_options(capsys):
+    assert generation.main(["--batches", "0"]) == 2
+    assert "--batches: got '0'; expected positive integers" in capsys.readouterr().err
+    assert generation.main(["--modes", "fused"]) == 2
+    assert "--modes: got 'fused'; expected eager and any of fused, compile, fused+compile" in capsys.readouterr().err
+
+
+def test_te_lab_generate_prints_the_tokens_and_tokens_per_s_of_both(capsys):
+    assert cli_main(["generate", "--model", "llama-tiny", "--prompt", "5, 17 42", "--max-new-tokens", "3",
+                     "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    tokens = [int(token) for token in out[0].split()]
+    assert tokens[:3] == [5, 17, 42] and len(tokens) == 6
+    model = te_lab.models.build_model("llama-tiny").eval()
+    assert tokens == generation.generate(model, model, torch.tensor([[5, 17, 42]]), 3).tokens[0].tolist()
+    assert out[1].startswith(" unfused: prefill ") and out[2].startswith("   fused: prefill ")
+    assert out[3].startswith("fused / unfused: prefill ")
+    assert out[4] == "tokens identical fused and unfused: yes (3 new tokens)"
+
+
+def test_te_lab_generate_says_what_a_prompt_without_a_tokenizer_must_be():
+    with pytest.raises(SystemExit, match=r"--prompt: this model has no tokenizer, so the prompt is token ids in "
+                                         r"\[0, 256\) separated by spaces or commas; got 'hello'"):
+        cli_main(["generate", "--model", "llama-tiny", "--prompt", "hello", "--max-new-tokens", "2"])
