@@ -13,6 +13,8 @@ Shapes at ``Size(tokens=T, hidden=H)``:
 - causal attention:          q, k, v [1, H/128, T, 128]
 - cross-entropy:             logits [T, 32000]
 - LM head + cross-entropy:   hidden [T, H], head [32000, H]
+- MoE block:                 x [T, H], 32 experts of width H/2 (gate-up [32, H, H], down
+                             [32, H, H/2]), top-4 routing (Qwen3-MoE's block at its shapes)
 - AdamW:                     the parameters of a one-layer Llama of width H with a
                              8192-token embedding (see ``adamw_case``)
 
@@ -333,6 +335,43 @@ def linear_case(device, dtype, size: Size) -> OpCase:
         fused=lambda x, weight, backend: linear(x, weight, backend=backend))
 
 
+MOE_EXPERTS, MOE_TOP_K = 32, 4
+
+
+def eager_moe_block(x, router, gate_up, down, top_k=MOE_TOP_K):
+    """What Hugging Face's Qwen3-MoE block runs in eager mode (its router, then its experts'
+    loop over the experts that received tokens), written out: the baseline of ``moe``."""
+    logits = F.linear(x, router)
+    weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        hit = torch.nn.functional.one_hot(chosen, gate_up.shape[0]).permute(2, 1, 0)
+    for expert in hit.sum(dim=(-1, -2)).nonzero()[:, 0].tolist():
+        slot, token = torch.where(hit[expert])
+        gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
+        out = out.index_add(0, token, y.to(out.dtype))
+    return out
+
+
+def moe_case(device, dtype, size: Size) -> OpCase:
+    """An MoE block of 32 experts of width H/2, top-4 (Qwen3-MoE's layout), over T tokens."""
+    from te_lab.kernels.moe import moe
+
+    t, h, width = size.tokens, size.hidden, size.hidden // 2
+    x = _act((t, h), device, dtype)
+    router = (torch.randn(MOE_EXPERTS, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
+    gate_up = (torch.randn(MOE_EXPERTS, 2 * width, h, device=device) / math.sqrt(h)).to(dtype).requires_grad_()
+    down = (torch.randn(MOE_EXPERTS, h, width, device=device) / math.sqrt(width)).to(dtype).requires_grad_()
+    return OpCase(
+        "moe", "moe", f"MoE block {t}x{h}, {MOE_EXPERTS} experts of width {width}, top-{MOE_TOP_K}",
+        (x, router, gate_up, down),
+        baseline=eager_moe_block,
+        fused=lambda x, router, gate_up, down, backend: moe(x, F.linear(x, router), gate_up, down, MOE_TOP_K,
+                                                            backend=backend))
+
+
 # Every registered op but the optimizer, by name; an op missing here fails the suite
 # loudly, so a new kernel cannot go unmeasured.
 OP_CASES: dict[str, tuple[Callable, ...]] = {
@@ -345,6 +384,7 @@ OP_CASES: dict[str, tuple[Callable, ...]] = {
     "attention": (attention_case,),
     "cross_entropy": (cross_entropy_case,),
     "fused_linear_cross_entropy": (fused_linear_cross_entropy_case,),
+    "moe": (moe_case,),
 }
 OPTIMIZER_OPS = ("adamw",)
 

@@ -51,6 +51,8 @@ CI_SCENARIOS = frozenset([
     "bias_act bf16 gelu cols=16384", "bias_act fp32 silu cols=16384", "bias_act fp16 gelu_tanh cols=16384",
     "bias_act fp32 gelu cols=16384",
     "adamw fp32", "adamw bf16 amsgrad", "adamw fp16",
+    "moe bf16 hidden=2048 width=768", "moe bf16 hidden=2880 width=2880 transposed clamped_swiglu",
+    "moe fp32 hidden=2048 width=768", "moe fp16 hidden=2880 width=2880 transposed clamped_swiglu",
 ])
 
 
@@ -277,6 +279,37 @@ def _elementwise_scenarios() -> list[Scenario]:
     return found
 
 
+def _moe(dtype, hidden: int, width: int, *, transposed: bool) -> Callable[[], None]:
+    """Qwen3-MoE's expert sizes (hidden 2048, width 768: gate-up and down as Linear weights)
+    or gpt-oss's (2880 and 2880: transposed, interleaved, biases, the clamped SwiGLU), with 8
+    experts: the kernels compile alike for any number of experts."""
+    from te_lab import kernels
+
+    def run():
+        experts, tokens, top_k = 8, 256, 2
+        x = _leaf(tokens, hidden, dtype=dtype)
+        weights = _leaf(tokens, top_k, dtype=torch.float32)
+        # real indices: the permutation around the kernels runs on the CPU
+        indices = torch.randint(0, experts, (tokens, top_k))
+        shapes = ((experts, hidden, 2 * width), (experts, width, hidden)) if transposed else \
+            ((experts, 2 * width, hidden), (experts, hidden, width))
+        gate_up, down = _leaf(*shapes[0], dtype=dtype), _leaf(*shapes[1], dtype=dtype)
+        biases = (_leaf(experts, 2 * width, dtype=dtype), _leaf(experts, hidden, dtype=dtype)) if transposed else \
+            (None, None)
+        out = kernels.moe_experts(x, weights, indices, gate_up, down, *biases, transposed=transposed,
+                                  interleaved=transposed, activation="clamped_swiglu" if transposed else "silu",
+                                  backend="triton")
+        _backward(out, [x, weights, gate_up, down, *biases])
+    return run
+
+
+def _moe_scenarios() -> list[Scenario]:
+    return [Scenario(f"moe {name} hidden={hidden} width={width}{' transposed clamped_swiglu' if transposed else ''}",
+                     _moe(dtype, hidden, width, transposed=transposed))
+            for name, dtype in DTYPES.items() for hidden, width, transposed in ((2048, 768, False),
+                                                                                (2880, 2880, True))]
+
+
 def _adamw(dtype, *, amsgrad: bool, offset_parameter: bool = False) -> Callable[[], None]:
     from te_lab import kernels
 
@@ -301,7 +334,7 @@ def _optimizer_scenarios() -> list[Scenario]:
 def scenarios() -> list[Scenario]:
     """Every scenario, grouped by op, those CI compiles marked ``in_ci``."""
     found = (_norm_scenarios() + _loss_scenarios() + _attention_scenarios() + _rope_scenarios()
-             + _elementwise_scenarios() + _optimizer_scenarios())
+             + _elementwise_scenarios() + _moe_scenarios() + _optimizer_scenarios())
     missing = CI_SCENARIOS - {scenario.label for scenario in found}
     if missing:
         raise AssertionError(f"scenarios: CI_SCENARIOS names scenarios that do not exist: {sorted(missing)}")

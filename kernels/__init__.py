@@ -28,6 +28,7 @@ else:
     from .glu import geglu, glu, glu_reference, swiglu
     from .layer_norm import layer_norm, layer_norm_reference
     from .linear import linear, linear_reference
+    from .moe import moe, moe_experts, moe_experts_reference, moe_reference, moe_routing
     from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
     from .rms_norm import rms_norm, rms_norm_reference
     from .rope import apply_rotary, apply_rotary_reference
@@ -57,6 +58,11 @@ else:
         "linear_reference",
         "linear_act",
         "linear_act_reference",
+        "moe",
+        "moe_experts",
+        "moe_experts_reference",
+        "moe_reference",
+        "moe_routing",
         "registered_ops",
         "rms_norm",
         "rms_norm_reference",

@@ -82,6 +82,18 @@ HAND_COUNTS = [
     ("te_lab::linear", [spec(2, 32, H), spec(F, H), None], (N + F * H) * 4, T * F * 4, 2 * T * F * H),
     ("te_lab::linear_backward", [spec(2, 32, F), spec(2, 32, H), spec(F, H)], (T * F + N + F * H) * 4,
      (N + F * H) * 4, 4 * T * F * H),
+    # x [T, H], top-2 of E = 4 experts of width I = 32, R = 2T rows: h [R, 2I], y [R, H] written;
+    # the two products 2 R 2I H + 2 R H I, 5 per activation output, 2 per weighted output element
+    ("te_lab::moe", [spec(T, H), spec(T, 2), spec(T, 2, itemsize=8), spec(4, 64, H), spec(4, H, 32), None, None],
+     (N + 2 * T + 4 * 64 * H + 4 * H * 32) * 4 + 2 * T * 8, (N + 2 * T * (64 + H)) * 4,
+     2 * (2 * T) * 64 * H + 2 * (2 * T) * H * 32 + 2 * T * (5 * 32 + 2 * H)),
+    # dout, x, weights, indices, gate_up, down, h, y read; dx, dweights, dgate_up, ddown written; twice the
+    # products, 10 per activation element, 4 per element of the weighted rows
+    ("te_lab::moe_backward", [spec(T, H), spec(T, H), spec(T, 2), spec(T, 2, itemsize=8), spec(4, 64, H),
+                              spec(4, H, 32), None, None, spec(2 * T, 64), spec(2 * T, H)],
+     (2 * N + 2 * T + 4 * 64 * H + 4 * H * 32 + 2 * T * (64 + H)) * 4 + 2 * T * 8,
+     (N + 2 * T + 4 * 64 * H + 4 * H * 32) * 4,
+     4 * (2 * T) * 64 * H + 4 * (2 * T) * H * 32 + 2 * T * (10 * 32 + 4 * H)),
     # parameters [F, H] and [H]: p, g, m, v read, p, m, v written; 14 per element
     ("te_lab::adamw_step", [spec(F, H), spec(H)], 4 * (F * H + H) * 4, 3 * (F * H + H) * 4, 14 * (F * H + H)),
 ]

@@ -23,7 +23,7 @@ from te_lab.kernels.triton_support import HAS_TRITON
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL_MODULES = ["rms_norm", "layer_norm", "cross_entropy", "fused_linear_cross_entropy", "attention", "rope",
-                  "glu", "bias_act", "adamw"]
+                  "glu", "bias_act", "adamw", "moe"]
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 # the first test to use the compile fixture waits for it: minutes, more on a busy machine

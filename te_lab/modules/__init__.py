@@ -9,6 +9,7 @@ from .attention import FusedAttention, FusedQKVAttention
 from .base import FusedModule
 from .lm_head_loss import FusedLMHeadLoss
 from .mlp import FusedGatedMLP, FusedMLP
+from .moe import FusedMoE, expert_load, imbalance, record_expert_load
 from .norms import FusedLayerNorm, FusedResidualLayerNorm, FusedRMSNorm
 
 __all__ = [
@@ -18,7 +19,11 @@ __all__ = [
     "FusedLayerNorm",
     "FusedMLP",
     "FusedModule",
+    "FusedMoE",
     "FusedQKVAttention",
     "FusedRMSNorm",
     "FusedResidualLayerNorm",
+    "expert_load",
+    "imbalance",
+    "record_expert_load",
 ]

@@ -6,7 +6,7 @@ Importing this package registers the built-in rules, in the order they are tried
 
 # The built-in rules register on import, in the order they are tried: keep this order.
 # isort: off
-from . import norm_rules, mlp_rules, attention_rules, lm_head_rule  # noqa: F401
+from . import norm_rules, mlp_rules, moe_rules, attention_rules, lm_head_rule  # noqa: F401
 # isort: on
 from .fuse import fuse
 from .report import FusionReport, FusionRow, ModelCheck

@@ -50,12 +50,15 @@ def release_hooks(original: nn.Module, twin: nn.Module) -> None:
     twin._is_full_backward_hook = None
 
 
-def hooked_modules(root: nn.Module, prefix: str, *, include_root: bool) -> list[str]:
+def hooked_modules(root: nn.Module, prefix: str, *, include_root: bool, called: tuple[str, ...] = ()) -> list[str]:
     """``"path (forward, backward hook)"`` for every module in ``root`` (``root`` itself
-    only with ``include_root``) that has hooks; ``prefix`` is ``root``'s path."""
+    only with ``include_root``) that has hooks; ``prefix`` is ``root``'s path. The children
+    named in ``called``, which a twin calls as modules (their hooks fire), and everything
+    inside them are left out."""
+    fired = {id(inner) for name in called for inner in root._modules[name].modules()}
     found = []
     for path, module in root.named_modules(prefix=prefix):
-        if (include_root or module is not root) and hook_kinds(module):
+        if (include_root or module is not root) and id(module) not in fired and hook_kinds(module):
             found.append(f"{path} ({', '.join(hook_kinds(module))} hook)")
     return found
 
