@@ -11,6 +11,10 @@ bytes moved and FLOPs, and the timeline.
 - Optimizer work (inside ``Optimizer.step``, or a parameter's update during backward by
   ``te_lab.optim.overlap_step``) has the phase "optimizer" and, for the latter, the
   parameter's name as its path; it belongs to no module region.
+- Time on the CPU is wall time: a module's forward region from entry to exit (regions
+  nested in it left out), and the backward autograd nodes its forward made, start to
+  end with the engine's gap before each, so the Python inside a module counts for it; the loss's ops outside any
+  region count by their durations. On GPUs it is the kernels' device time.
 - *Launches* are the ops the framework dispatches: on the CPU, every op not nested in
   another op; on GPUs, the device kernels under them. An op's time is its host time on
   the CPU and its kernels' device time (``device_time_total``) on GPUs.
@@ -176,11 +180,12 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             continue
         region = trace.regions.setdefault(key, Region())
         region.launches += launches
-        if phase == "forward":
-            region.forward_ms += duration_us / 1e3
-        else:
-            region.backward_ms += duration_us / 1e3
-        trace.attributed_us += duration_us
+        if on_gpu or not (phase == "backward" or region_of(event) is not None):
+            if phase == "forward":
+                region.forward_ms += duration_us / 1e3
+            else:
+                region.backward_ms += duration_us / 1e3
+            trace.attributed_us += duration_us
         for worker in _cost_events(event):
             recorded = kineto.get(worker.id)
             if recorded is None:
@@ -188,6 +193,8 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             cost = op_cost(worker.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
             region.bytes_moved += cost.bytes_moved
             region.flops += cost.flops
+    if not on_gpu:
+        _add_wall_times(trace, events, forward_key)
     trace.peak_memory_bytes = peak_live_bytes(profiler)
     if on_gpu:
         trace.kernels = device_kernels(activities)
@@ -202,6 +209,44 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
     communication, trace.collectives = communication_ns(events, trace.kernels)
     trace.communication_us = communication / 1e3
     return trace
+
+
+def _add_wall_times(trace: StepTrace, events, forward_key: dict) -> None:
+    """On the CPU a module's time is wall time, as the step spends it: its forward region
+    from entry to exit (less the regions nested in it), the Python between its ops
+    included, and in the backward the autograd nodes its forward made, each from start to
+    end with the gap since the node before it on its thread (the engine's work for it). Op
+    durations alone leave that Python to "(other)" in proportion to the op count,
+    so "(other)" would shrink with fusion though its code does not change."""
+    own_us: dict[int, float] = {}
+    keys: dict[int, str] = {}
+    for event in events:
+        if not event.name.startswith(PREFIX) or event.name.startswith(OPTIMIZER_PREFIX):
+            continue
+        ancestors = list(_ancestors(event))
+        if any(a.name.startswith(BACKWARD_PREFIX) for a in ancestors):
+            continue  # recomputed in the backward (checkpointing): inside its node's time
+        own_us[event.id] = own_us.get(event.id, 0.0) + event.time_range.elapsed_us()
+        keys[event.id] = event.name[len(PREFIX):]
+        enclosing = next((a for a in ancestors if a.name.startswith(PREFIX)), None)
+        if enclosing is not None:
+            own_us[enclosing.id] = own_us.get(enclosing.id, 0.0) - event.time_range.elapsed_us()
+    for event_id, key in keys.items():
+        trace.regions.setdefault(key, Region()).forward_ms += own_us[event_id] / 1e3
+        trace.attributed_us += own_us[event_id]
+    nodes = sorted((e for e in events if e.name.startswith(BACKWARD_PREFIX) and not any(
+        a.name.startswith(BACKWARD_PREFIX) for a in _ancestors(e))), key=lambda e: (e.thread, e.time_range.start))
+    previous_end: dict[int, float] = {}
+    for event in nodes:
+        # The engine's work between two nodes (scheduling, releasing buffers) is for the next one.
+        gap = max(event.time_range.start - previous_end.get(event.thread, event.time_range.start), 0.0)
+        previous_end[event.thread] = event.time_range.end
+        key = forward_key.get(event.sequence_nr)
+        if key is None:
+            continue
+        elapsed = event.time_range.elapsed_us() + gap
+        trace.regions.setdefault(key, Region()).backward_ms += elapsed / 1e3
+        trace.attributed_us += elapsed
 
 
 def _top_level_host_ops(events, host_ops: dict[int, "HostOp"]) -> dict[int, "HostOp"]:

@@ -5,10 +5,10 @@ of bookkeeping (shapes, FLOPs, memory records), so a small model's profiled step
 several times longer than its unprofiled one and its per-module times mostly measure the
 profiler. Each mode's attributed times are therefore rescaled by one factor per mode:
 
-- CPU (host op times, slowed with the step): ``scale = unprofiled step median /
-  max(profiled step wall time, attributed op time)``; every module's time is multiplied
+- CPU (modules' wall times, slowed with the step): ``scale = unprofiled step median /
+  max(profiled step wall time, attributed time)``; every module's time is multiplied
   by it, and "(other)" is the rest of the unprofiled step (ops no module owns, and the
-  Python between ops).
+  Python between modules).
 - GPUs (device kernel times, which the profiler does not slow): ``scale = min(1,
   unprofiled step median / attributed kernel time)``: kernel times stay as measured
   unless they alone would exceed the step; "(other)" is again the rest of the step.
@@ -24,7 +24,7 @@ from __future__ import annotations
 OVERHEAD_WARNING = 0.25  # profiled step / unprofiled step - 1 above which the report warns
 
 FORMULA = ("each mode's module times x scale, scale = unprofiled step median / max(profiled step wall time, "
-           "attributed op time) on the CPU (op times are slowed by the profiler with the step), min(1, unprofiled "
+           "attributed time) on the CPU (module wall times slow with the step), min(1, unprofiled "
            "step median / attributed kernel time) on GPUs (kernel times are not); (other) = unprofiled step "
            "median - scaled module times, so the rows add up to the unprofiled step")
 RATIO_FORMULA = ("profiled step wall time (median over profiled steps) / unprofiled step median; the "

@@ -87,13 +87,14 @@ FORMULAS = {
     "bytes_moved": BYTES_FORMULA,
     "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
     "traffic_change": "fused bytes moved / eager bytes moved - 1, summed over every module (estimates)",
-    "region_time": "sum of the durations of the region's top-level ops in the profiled steps (median over "
-                   "them; forward: ops under the module's forward; backward: autograd nodes created by those "
-                   "ops), x the mode's attribution scale",
+    "region_time": "CPU: the module's wall time in the profiled steps (median over them; forward: its region "
+                   "from entry to exit, nested regions left out; backward: the autograd nodes its forward made, "
+                   "each with the engine's gap before it); GPUs: its kernels' device time; x the mode's "
+                   "attribution scale",
     "attribution_scale": correction.FORMULA,
     "profiled_ratio": correction.RATIO_FORMULA,
     "other": "unprofiled step median - the mode's scaled module times: ops no module owns (embeddings, residual "
-             "adds, glue, optimizer steps) and the time between ops",
+             "adds, glue, optimizer steps) and the Python between modules",
     "compiles": compiles.FORMULA,
     "fused_share": "fused step: time of the modules holding fused ops / the step (both scaled to the unprofiled "
                    "step)",
@@ -472,24 +473,25 @@ def _per_round_totals(runs: dict) -> dict:
     return totals
 
 
-def _rounds(per_round: dict, mode: str) -> int:
-    return len(per_round.get(OTHER_KEY, {}).get(mode, {}))
+def _scaled_rounds(per_round: dict, key: str, mode: str, scale: float) -> list:
+    """The key's per-round times scaled as the report's are (:func:`_correct_to_unprofiled`)."""
+    rounds = per_round.get(key, {}).get(mode, {})
+    return [rounds.get(i, 0.0) * scale for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
 
 
 def _module_intervals(report: ProfileReport, per_round: dict) -> None:
     """Each module's and op kind's speedup interval over the paired profiled rounds,
     scaled as its times were; a note when "(other)", which fusion does not touch, changed
     measurably."""
-    scale = report.modes["eager"].attribution_scale / report.modes["fused"].attribution_scale
     members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
     rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
     for comparison, keys in rows:
-        eager, fused = ([sum(per_round.get(key, {}).get(mode, {}).get(i, 0.0) for key in keys)
-                         for i in range(_rounds(per_round, mode))] for mode in ("eager", "fused"))
+        eager, fused = ([sum(values) for values in zip(*(
+            _scaled_rounds(per_round, key, mode, report.modes[mode].attribution_scale) for key in keys))]
+            for mode in ("eager", "fused"))
         if len(eager) < 2 or len(eager) != len(fused) or comparison.speedup is None or min(fused) <= 0:
             continue
-        low, high = intervals.ratio_interval(eager, fused)
-        comparison.speedup_low, comparison.speedup_high = low * scale, high * scale
+        comparison.speedup_low, comparison.speedup_high = intervals.ratio_interval(eager, fused)
     other = next(c for c in report.modules if c.key == OTHER_KEY)
     if other.distinguishable:
         report.notes.append(

@@ -134,10 +134,10 @@ def other_explanation(report: ProfileReport) -> str:
     other = next((c for c in report.modules if c.key == OTHER_KEY), None)
     if other is None:
         return ""
-    text = (f"{OTHER_KEY}: the unprofiled step minus the modules' rescaled times: ops no fused module owns "
-            f"(embeddings, residual adds, the loss where it is not fused, optimizer steps) and the Python between "
-            f"ops. Eager: {other.eager.total_ms:.3f} ms, the original modules around those ops; fused: "
-            f"{other.fused.total_ms:.3f} ms, the same code around the twins. Fusion does not change it.")
+    text = (f"{OTHER_KEY}: the unprofiled step minus the modules' rescaled times, that is the ops no fused "
+            f"module owns (embeddings, residual adds, the loss where it is not fused, optimizer steps) and the "
+            f"Python between modules. Eager: {other.eager.total_ms:.3f} ms of it around the original modules; "
+            f"fused: {other.fused.total_ms:.3f} ms of the same code around the twins. Fusion does not change it.")
     if other.distinguishable:
         text += (f" Here it changed {other.speedup:.2f}x [{other.speedup_low:.2f}, {other.speedup_high:.2f}]: "
                  f"a difference fusion cannot cause (noise, or the profiler's overhead moved between rows), so "

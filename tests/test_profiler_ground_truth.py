@@ -1,0 +1,125 @@
+"""The profile's per-module figures against ground truth: each top-level module kind
+(norm, attention, MLP) timed alone, eager (the original module) and fused (its twin), on
+the inputs it gets inside the model, forward and backward, and compared with the profile's
+rescaled figure for that module: within 10% (medians over interleaved repetitions).
+
+The machine is shared and noisy, so a miss measures both sides again once; a second miss
+fails."""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import te_lab
+from real_like import make_real_like
+from te_lab import models
+
+TOLERANCE = 0.10
+ALONE_ROUNDS = 40
+KINDS = ("norm", "attention", "mlp")
+
+
+def _inputs_of(model, path, mode_context):
+    """The positional and keyword inputs the module at ``path`` gets in the model's forward."""
+    captured = {}
+
+    def hook(_module, args, kwargs):
+        captured.setdefault("call", (args, kwargs))
+
+    with mode_context():
+        module = model.get_submodule(path)
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                model(**model.batch_for_test)
+        finally:
+            handle.remove()
+    return module, captured["call"]
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _leaves(value):
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return []
+
+
+def _outputs(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    return []
+
+
+def _step_alone(module, args, kwargs, leaves):
+    """One forward and backward of the module alone, in ms."""
+    start = time.perf_counter()
+    output = module(*args, **kwargs)
+    tensors = [t for t in _outputs(output) if t.requires_grad]
+    torch.autograd.grad(tensors, leaves, [torch.ones_like(t) for t in tensors], allow_unused=True)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _alone(model, path):
+    """Median ms of the module at ``path`` alone, eager and fused, interleaved."""
+    sides = {}
+    for mode, context in (("eager", lambda: te_lab.unfused(model)), ("fused", torch.enable_grad)):
+        module, (args, kwargs) = _inputs_of(model, path, context)
+        args, kwargs = _detached(args), _detached(kwargs)
+        leaves = [p for p in module.parameters() if p.requires_grad] + _leaves((args, kwargs))
+        sides[mode] = (context, module, args, kwargs, leaves)
+    times = {mode: [] for mode in sides}
+    for index in range(ALONE_ROUNDS + 3):
+        for mode in (("eager", "fused") if index % 2 == 0 else ("fused", "eager")):
+            context, module, args, kwargs, leaves = sides[mode]
+            with context():
+                elapsed = _step_alone(module, args, kwargs, leaves)
+            if index >= 3:  # warm-up rounds
+                times[mode].append(elapsed)
+    return {mode: statistics.median(values) for mode, values in times.items()}
+
+
+def _misses(model, batch, only=None):
+    """``(module, mode) -> what missed`` for each kind's first module, both modes (or those in ``only``)."""
+    report = te_lab.profile(model, batch, steps="auto", budget_s=20, warmup=2)
+    misses = {}
+    for kind in KINDS:
+        module = next(c for c in report.modules if c.kind == kind)
+        if only is not None and not any(key == module.key for key, _ in only):
+            continue
+        alone = _alone(model, module.key)
+        for mode in ("eager", "fused"):
+            profiled = getattr(module, mode).total_ms
+            error = profiled / alone[mode] - 1
+            if abs(error) > TOLERANCE and (only is None or (module.key, mode) in only):
+                misses[module.key, mode] = (f"{module.key} {mode}: profile {profiled:.3f} ms, alone "
+                                            f"{alone[mode]:.3f} ms ({100 * error:+.0f}%)")
+    return misses
+
+
+@pytest.mark.slow  # a profile with steps="auto" and 40 rounds of each module alone
+def test_each_module_kinds_profiled_time_matches_the_module_timed_alone():
+    model = make_real_like(models.llama("mini", seed=0))
+    batch = model.example_batch(2, 64)
+    model.batch_for_test = batch
+    te_lab.fuse(model, sample=batch, progress=False)
+    misses = _misses(model, batch)
+    if misses:
+        misses = _misses(model, batch, only=set(misses))  # a miss is measured once more: the machine is noisy
+    assert not misses, "; ".join(misses.values())
