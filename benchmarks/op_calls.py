@@ -31,15 +31,16 @@ def recording_op_calls(calls: list):
         custom_ops.CustomOp.__call__ = original
 
 
-def automatic_backend(case: OpCase, device: torch.device) -> Optional[str]:
+def automatic_backend(case: OpCase, device: torch.device, *, training: bool = True) -> Optional[str]:
     """For an op whose automatic CPU choice is measured per size class (every op that
-    names ``cpu_measured`` backends), the backend that choice runs for the case's inputs: the backend
+    names ``cpu_measured`` backends), the backend that choice runs for the case's inputs
+    in a training call (with ``training``) or a call without gradients: the backend
     argument of the te_lab op its forward calls (reference when it calls none). None
     elsewhere: the registry's choice does not depend on the inputs."""
     if devices.is_gpu(device) or not registered_ops()[case.op].cpu_measured:
         return None
     calls: list = []
-    with torch.no_grad():
+    with torch.enable_grad() if training else torch.no_grad():
         case.fused(*case.inputs, backend=None)  # a first call may measure, running every candidate
         with recording_op_calls(calls):
             case.fused(*case.inputs, backend=None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .dispatch import markdown as dispatch_table
+from .generation import markdown as generation_table
 
 
 def _ms(value: Optional[float]) -> str:
@@ -137,6 +138,13 @@ def markdown(results: dict, *, title: str = "te_lab benchmark results") -> str:
                      "view of each input, the engine's fixed cost that eager code pays as well; overhead per "
                      "call = (te_lab - kernels - autograd round trip) / te_lab op calls.", "",
                      *dispatch_table(results["dispatch"]), ""]
+    if results.get("generation"):
+        sections += ["## Generation (benchmarks/generation.py)", "",
+                     "Greedy decoding after a random prompt; prefill is the forward over the prompt, decode every "
+                     "step after it, tokens/s over every row of the batch. Hugging Face models decode through their "
+                     "KV cache (a static one under torch.compile); demo models have none and rerun the sequence. "
+                     "`tokens = eager`: the mode generated eager's tokens.", "",
+                     *generation_table(results["generation"]), ""]
     if results["ops"]:
         sections += ["## Per op: te_lab against the baselines", "", *ops_summary_table(results), "",
                      "## Per op: every contender", "", *ops_detail_table(results), ""]

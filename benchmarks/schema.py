@@ -14,6 +14,9 @@ A results file holds:
   call) and ``speedups``;
 - ``models``: one item per model and mode (``train``, ``inference``), contenders with
   ``tokens_per_s``, ``setup_s`` (fuse time), ``time_to_first_step_s``, and ``speedups``;
+- ``generation`` (where the profile runs it): one item per model, batch and prompt length,
+  each mode's prefill and per-token decode samples (ms, round order), tokens/s, first
+  call, whether its tokens equal eager's, and ``speedups`` per ``phase``;
 - ``failures``: an op case or model that raised mid-run (``where``, ``error``); the run
   goes on without it;
 - ``targets``: issue 9's targets, each ``met`` true, false, or null when not measured.
@@ -120,10 +123,31 @@ DISPATCH_RESULT = {
     "required": ["case", "tokens", "hidden", "backend", "te_lab_op_calls", "median_us", "overhead_per_call_us",
                  "te_lab_vs_eager"],
     "properties": {
-        "case": {"type": "string"}, "tokens": {"type": "integer"}, "hidden": {"type": "integer"},
+        "case": {"type": "string"}, "phase": {"enum": ["training", "prefill", "decode"]},
+        "tokens": {"type": "integer"}, "hidden": {"type": "integer"},
         "backend": {"type": "string"}, "te_lab_op_calls": {"type": "integer"},
         "median_us": {"type": "object", "required": ["te_lab", "kernels", "eager"]},
         "overhead_per_call_us": _OPTIONAL_NUMBER, "te_lab_vs_eager": {"type": "object"},
+    },
+    "additionalProperties": False,
+}
+
+GENERATION_RESULT = {
+    "type": "object",
+    "required": ["model", "batch", "prompt", "new_tokens", "fused_modules", "kv_cache", "modes", "speedups"],
+    "properties": {
+        "model": {"type": "string"}, "batch": {"type": "integer"}, "prompt": {"type": "integer"},
+        "new_tokens": {"type": "integer"}, "fused_modules": {"type": "integer"}, "kv_cache": {"type": "boolean"},
+        "modes": {"type": "object", "additionalProperties": {
+            "type": "object",
+            "required": ["error", "first_call_ms", "prefill_ms", "decode_ms_per_token", "prefill_tokens_per_s",
+                         "decode_tokens_per_s", "tokens_identical_to_eager"],
+            "properties": {"error": _OPTIONAL_STRING, "first_call_ms": _OPTIONAL_NUMBER, "prefill_ms": _SAMPLES,
+                           "decode_ms_per_token": _SAMPLES, "prefill_tokens_per_s": _OPTIONAL_NUMBER,
+                           "decode_tokens_per_s": _OPTIONAL_NUMBER,
+                           "tokens_identical_to_eager": {"type": ["boolean", "null"]}},
+            "additionalProperties": False}},
+        "speedups": {"type": "array", "items": {"type": "object", "required": ["phase", *SPEEDUP["required"]]}},
     },
     "additionalProperties": False,
 }
@@ -152,6 +176,7 @@ RESULTS_SCHEMA = {
         "ops": {"type": "array", "items": OP_RESULT},
         "models": {"type": "array", "items": MODEL_RESULT},
         "dispatch": {"type": "array", "items": DISPATCH_RESULT},
+        "generation": {"type": "array", "items": GENERATION_RESULT},
         "failures": {"type": "array", "items": FAILURE},
         "targets": {"type": "array", "items": TARGET},
     },

@@ -6,7 +6,7 @@ fusion rules; it never imports IPython, ipywidgets or plotly.
 
 from te_lab import device, distributed, kernels, models, modules, optim
 from te_lab.kernels import use_backend
-from te_lab.profiler import ProfileReport, ProfileRun, profile
+from te_lab.profiler import GenerationProfile, ProfileReport, ProfileRun, profile, profile_generation
 from te_lab.profiler.gpu_trace import GpuTrace, open_trace
 from te_lab.surgery import (
     BuildOptions,
@@ -87,6 +87,7 @@ __all__ = [
     "BuildOptions",
     "FusionReport",
     "FusionRule",
+    "GenerationProfile",
     "Match",
     "ProbeInputs",
     "ProfileReport",
@@ -108,6 +109,7 @@ __all__ = [
     "open_trace",
     "optim",
     "profile",
+    "profile_generation",
     "register_rule",
     "rules",
     "show",

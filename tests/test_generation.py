@@ -3,6 +3,7 @@ cache, dynamic and static; a left-padded batch through Hugging Face's generate),
 generation benchmark's records, and ``te-lab generate``."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -86,6 +87,11 @@ def test_the_generation_benchmark_reports_prefill_and_decode_per_mode_with_ratio
     assert decode["interval_low"] <= decode["value"] <= decode["interval_high"]
     table = generation.markdown([record])
     assert len(table) == 4 and table[3].startswith("| llama-tiny | 2 | 8 | fused |") and table[3].endswith("| yes |")
+    # The suite's results file holds it as written here.
+    jsonschema = pytest.importorskip("jsonschema")
+    from te_lab.benchmarks.schema import GENERATION_RESULT
+
+    jsonschema.validate(json.loads(json.dumps(record)), GENERATION_RESULT)
 
 
 def test_the_generation_benchmark_refuses_bad_options(capsys):
@@ -112,3 +118,39 @@ def test_te_lab_generate_says_what_a_prompt_without_a_tokenizer_must_be():
     with pytest.raises(SystemExit, match=r"--prompt: this model has no tokenizer, so the prompt is token ids in "
                                          r"\[0, 256\) separated by spaces or commas; got 'hello'"):
         cli_main(["generate", "--model", "llama-tiny", "--prompt", "hello", "--max-new-tokens", "2"])
+
+
+def test_a_profile_of_generate_shows_prefill_and_decode_apart_and_round_trips():
+    model, _ = hf_llama()
+    prompt = torch.randint(1, 250, (2, 10), generator=torch.Generator().manual_seed(13))
+
+    def run():
+        model.generate(prompt, max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(prompt),
+                       pad_token_id=0)
+
+    profile = te_lab.profile_generation(run, model, runs=1)
+    prefill, decode = profile.phases["prefill"], profile.phases["decode"]
+    for mode in ("eager", "fused"):
+        # One forward over the 2 x 10 prompt, then one per new token after the first, a token per row.
+        assert (prefill[mode].tokens, prefill[mode].forwards) == (20, 1)
+        assert (decode[mode].tokens, decode[mode].forwards) == (8, 4)
+        for figures in (prefill[mode], decode[mode]):
+            assert figures.ms > 0 and figures.ms_per_token == pytest.approx(figures.ms / figures.tokens)
+            assert figures.launches_per_token > 0
+            # Every fused module ran in both phases, in both modes (its original, unfused).
+            assert set(figures.module_ms) == set(profile.module_kinds) and all(
+                ms > 0 for ms in figures.module_ms.values())
+    assert set(profile.module_kinds.values()) >= {"attention", "mlp", "norm"}
+    assert set(profile.module_gains("decode")) == set(profile.module_kinds.values())
+    assert profile.speedup("decode") == pytest.approx(decode["eager"].ms_per_token / decode["fused"].ms_per_token)
+    # A decode step of a 2-layer model launches tens of ops, a few per row at least.
+    assert decode["eager"].launches_per_token * 2 > 2 * 10
+    assert te_lab.GenerationProfile.from_json(profile.to_json()) == profile
+    lines = profile.summary().splitlines()
+    assert lines[1].startswith("prefill: 20 tokens in 1 forwards; per token eager ")
+    assert lines[2].startswith("decode: 8 tokens in 4 forwards; per token eager ")
+
+
+def test_profile_generation_refuses_an_unfused_model():
+    with pytest.raises(ValueError, match="model is not a model with te_lab fusions"):
+        te_lab.profile_generation(lambda: None, te_lab.models.llama("tiny"))

@@ -6,7 +6,8 @@ widgets or plotly (the dashboard draws the report).
 """
 
 from .engine import profile, profile_statement
+from .generation import GenerationProfile, profile_generation
 from .profile_run import ProfileRun
 from .report import ProfileReport
 
-__all__ = ["ProfileReport", "ProfileRun", "profile", "profile_statement"]
+__all__ = ["GenerationProfile", "ProfileReport", "ProfileRun", "profile", "profile_generation", "profile_statement"]
