@@ -91,7 +91,9 @@ PROFILES = {
     "quick": Profile(
         "quick", "every op at one size, float32, forward+backward; the mini demo Llama's training step",
         sizes={"*": (Size(512, 1024),), "fused_linear_cross_entropy": (Size(512, 256),),
-               "bias_act": (Size(256, 1024),), "linear": (Size(256, 1024),)},
+               "bias_act": (Size(256, 1024),), "linear": (Size(256, 1024),),
+               # issue 26's MoE target: 32 experts of width 128, top-4, hidden 256, 1024 tokens
+               "moe": (Size(1024, 256),)},
         dtypes=("float32",), modes=("forward+backward",), rounds=5, warmup=1,
         models=("llama-mini",), model_modes=("train",), batch=2, seq=128, model_rounds=5),
     "cpu": Profile(
@@ -109,6 +111,8 @@ PROFILES = {
                "attention": (Size(64, 128), Size(256, 256), Size(512, 1024), Size(1024, 1024)),
                "fused_linear_cross_entropy": (Size(1024, 256), Size(256, 1024), Size(4096, 256)),
                "cross_entropy": (Size(64, 64), Size(256, 256), Size(512, 1024), Size(2048, 1024)),
+               # 32 experts of width H/2, top-4: the 1024 x 256 case is issue 26's target
+               "moe": (Size(256, 256), Size(1024, 256), Size(1024, 512)),
                "adamw": (Size(0, 1024), Size(0, 2048))},
         # float32: the CPU targets' dtype (bfloat16 on the CPU is checked by the tests; on CPUs
         # without AVX512-BF16 its GEMMs are emulated, which measures the emulation).
@@ -124,6 +128,7 @@ PROFILES = {
                "bias_act": (Size(4096, 2048), Size(4096, 4096)),
                "linear": (Size(4096, 2048), Size(4096, 4096)),
                "fused_linear_cross_entropy": (Size(4096, 2048), Size(4096, 4096)),
+               "moe": (Size(4096, 2048),),
                "adamw": (Size(0, 2048), Size(0, 8192))},
         # Sized for 5 minutes on one GPU by estimate, not yet by a run: the compile waits (one
         # torch.compile per case, size and dtype) dominate it.

@@ -149,3 +149,22 @@ def test_a_fused_lora_run_trains_and_merges_like_an_unfused_one():
     ids = batch()["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(merged_fused(ids).logits, merged_unfused(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_added_after_fusing_lands_in_the_twins_and_unfuse_keeps_it():
+    """get_peft_model on an already fused model: PEFT finds q_proj / up_proj under the same
+    paths inside the twins and wraps them there; the twins call the adapters, and unfuse
+    hands them to the original modules."""
+    unfused = with_lora(llama(), ["q_proj", "up_proj"])
+    fused_base = llama()
+    te_lab.fuse(fused_base, sample=batch())
+    fused = with_lora(fused_base, ["q_proj", "up_proj"])
+    layer = fused.base_model.model.model.layers[0]
+    assert isinstance(layer.self_attn, FusedAttention) and lora_layer(layer.self_attn.q_proj)
+    assert isinstance(layer.mlp, FusedGatedMLP) and lora_layer(layer.mlp.up_proj)
+    sample = batch()
+    torch.testing.assert_close(fused(**sample).loss, unfused(**sample).loss, rtol=1e-5, atol=1e-5)
+    te_lab.unfuse(fused)
+    layer = fused.base_model.model.model.layers[0]
+    assert not isinstance(layer.self_attn, FusedAttention) and lora_layer(layer.self_attn.q_proj)
+    torch.testing.assert_close(fused(**sample).loss, unfused(**sample).loss, rtol=1e-5, atol=1e-5)
