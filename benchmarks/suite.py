@@ -15,7 +15,9 @@ Per op: each registered fused op's cases (benchmarks/cases.py) at each size and 
 forward, backward and both, te_lab's backends against the eager baseline and
 torch.compile of it (see per_op.py). End to end: each model's training step and
 inference forward, eager, torch.compile, te_lab-fused and torch.compile of the fused
-model (see end_to_end.py). Results are JSON (the schema in schema.py), markdown and a
+model (see end_to_end.py). Generation: prefill and decode tokens/s of the same four modes
+(see generation.py; the ``cpu`` profile runs its full configuration, ``quick`` a small
+one). Results are JSON (the schema in schema.py), markdown and a
 self-contained HTML report; issue 9's targets are evaluated on them (targets.py).
 """
 
@@ -36,7 +38,7 @@ import torch
 from te_lab import device as devices
 from te_lab.kernels import registered_ops
 
-from . import dispatch, end_to_end, environment, per_op
+from . import dispatch, end_to_end, environment, generation, per_op
 from .cases import OP_CASES, OPTIMIZER_OPS, Size
 from .harness import describe_error
 from .html_report import write_html
@@ -67,6 +69,7 @@ class Profile:
     model_rounds: int = 5
     model_warmup: int = 1
     dispatch: bool = False  # the dispatch benchmark (dispatch.py) at 64 x 64
+    generation: Optional[generation.Config] = None  # the generation benchmark (generation.py)
 
     def model_batches(self) -> list[tuple[str, int, int]]:
         """(model, batch, seq) per entry of ``models``: ``name@BxS`` or the profile's batch x seq."""
@@ -95,7 +98,9 @@ PROFILES = {
                # issue 26's MoE target: 32 experts of width 128, top-4, hidden 256, 1024 tokens
                "moe": (Size(1024, 256),)},
         dtypes=("float32",), modes=("forward+backward",), rounds=5, warmup=1,
-        models=("llama-mini",), model_modes=("train",), batch=2, seq=128, model_rounds=5),
+        models=("llama-mini",), model_modes=("train",), batch=2, seq=128, model_rounds=5,
+        generation=generation.Config(models=("llama-tiny",), batches=(1,), prompts=(128,), new_tokens=16, rounds=3,
+                                     modes=("eager", "fused"))),
     "cpu": Profile(
         "cpu", "the full CPU run: every op from 64 x 64 to 2048 x 2048, float32, forward, backward and both; "
         "the dispatch benchmark; training steps of the tiny and mini demo Llamas and a Hugging Face Llama",
@@ -118,7 +123,8 @@ PROFILES = {
         # without AVX512-BF16 its GEMMs are emulated, which measures the emulation).
         dtypes=("float32",),
         # The training steps the CPU targets name (te_lab.models names, @batch x seq).
-        models=("llama-tiny@2x64", "llama-mini@2x128", "hf:llama-mini@4x256"), batch=1, dispatch=True),
+        models=("llama-tiny@2x64", "llama-mini@2x128", "hf:llama-mini@4x256"), batch=1, dispatch=True,
+        generation=generation.FULL),
     "gpu": Profile(
         "gpu", "the full GPU run: every op at two sizes (hidden 2048-8192, 4096 tokens), bfloat16 (the GPU "
         "targets' dtype; --dtypes bfloat16,float16,float32 for all); "
@@ -279,6 +285,12 @@ def collect(profile: Profile, device: torch.device, progress) -> dict:
         results["models"] += attempt(model, lambda: end_to_end.run_model(
             model, device, batch=batch, seq=seq, rounds=profile.model_rounds,
             warmup=profile.model_warmup, modes=profile.model_modes, progress=progress))
+    if profile.generation is not None:
+        results["generation"] = [record for model in profile.generation.models
+                                 for batch in profile.generation.batches for prompt in profile.generation.prompts
+                                 for record in attempt(f"generation {model} batch {batch} prompt {prompt}", lambda: [
+                                     generation.run_config(model, batch, prompt, profile.generation, device=device,
+                                                           progress=progress)])]
     results["targets"] = evaluate(results)
     return results
 
