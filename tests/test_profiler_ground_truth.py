@@ -1,4 +1,6 @@
-"""The profile's per-module figures against ground truth: each top-level module kind
+"""The profile's figures against ground truth. The headline: a Hugging Face Llama's step
+speedup interval holds the ratio an independent plain interleaved loop measures. The
+modules: each top-level module kind
 (norm, attention, MLP) timed alone, eager (the original module) and fused (its twin), on
 the inputs it gets inside the model, forward and backward, and compared with the profile's
 rescaled figure for that module: within 10% (medians over interleaved repetitions).
@@ -123,3 +125,39 @@ def test_each_module_kinds_profiled_time_matches_the_module_timed_alone():
     if misses:
         misses = _misses(model, batch, only=set(misses))  # a miss is measured once more: the machine is noisy
     assert not misses, "; ".join(misses.values())
+
+
+def _plain_loop_ratio(model, batch, pairs):
+    """Eager step median / fused step median of a plain loop: forward, loss, torch.autograd.grad,
+    eager inside te_lab.unfused, in interleaved pairs (after one warm-up of each)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        start = time.perf_counter()
+        torch.autograd.grad(model(**batch).loss, parameters, allow_unused=True)
+        return time.perf_counter() - start
+
+    times = {"eager": [], "fused": []}
+    for index in range(pairs + 1):
+        for mode in (("eager", "fused") if index % 2 == 0 else ("fused", "eager")):
+            with te_lab.unfused(model) if mode == "eager" else torch.enable_grad():
+                elapsed = step()
+            if index:
+                times[mode].append(elapsed)
+    return statistics.median(times["eager"]) / statistics.median(times["fused"])
+
+
+@pytest.mark.slow  # two profiles and two plain loops of a Hugging Face Llama
+def test_the_headline_interval_holds_an_independent_plain_loops_ratio():
+    pytest.importorskip("transformers")
+    model = models.huggingface("llama", "tiny", seed=0)
+    batch = models.example_batch(model, 2, 64)
+    te_lab.fuse(model, sample=batch, progress=False)
+    for attempt in range(2):  # a miss is measured once more: the machine is noisy
+        report = te_lab.profile(model, batch, steps="auto", budget_s=20, warmup=2)
+        assert "[" in report.summary().splitlines()[1]  # the headline prints its interval
+        low, high = report.totals.speedup_low, report.totals.speedup_high
+        ratio = _plain_loop_ratio(model, batch, pairs=15)
+        if low <= ratio <= high:
+            return
+    pytest.fail(f"the plain loop's ratio {ratio:.3f} is outside the profile's interval [{low:.3f}, {high:.3f}]")

@@ -541,13 +541,16 @@ def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profil
 
 
 def _median_run(runs: list[_Profiled]) -> _Profiled:
-    """The first run, with each region's forward and backward time the median over runs
-    (launches, bytes and FLOPs do not vary between runs) and the wall time the median."""
+    """The first run, with each region's forward and backward time from the run whose total
+    for that region is the median (lower median for an even count), so the region's total
+    is the median total its speedup interval is bootstrapped from (launches, bytes and
+    FLOPs do not vary between runs), and the wall time the median."""
     first = runs[0]
     for key, region in first.trace.regions.items():
-        others = [run.trace.regions.get(key) for run in runs]
-        region.forward_ms = statistics.median(r.forward_ms for r in others if r is not None)
-        region.backward_ms = statistics.median(r.backward_ms for r in others if r is not None)
+        others = sorted((r for r in (run.trace.regions.get(key) for run in runs) if r is not None),
+                        key=lambda r: r.total_ms)
+        middle = others[(len(others) - 1) // 2]
+        region.forward_ms, region.backward_ms = middle.forward_ms, middle.backward_ms
     first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
     first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
