@@ -97,12 +97,27 @@ def check_musa_and_gpus(text: str) -> None:
         assert f"running on {DEVICE}:" in text
 
 
+def check_lora_trainer(text: str) -> None:
+    assert "te_lab.fuse: 10 of 10 candidate modules fused in PeftModelForCausalLM" in text
+    for rule, count in (("attention", 2), ("swiglu_mlp", 2), ("lm_head_loss", 1)):
+        assert f"{rule}: fused in {count} of {count} candidates" in text
+    assert number_after("largest loss difference over 12 steps:", text) <= 1e-4
+    assert number_after("last unfused", text) < number_after("loss: first", text)  # the adapters learned
+    assert "profile of a training step written to lora_step.html" in text
+    assert re.search(r"step time median: unfused [\d.]+ ms, fused [\d.]+ ms", text)
+    assert re.search(r"peak memory of a step +[\d.]+ MB +[\d.]+ MB", text)
+    assert "same parameter names after merging: True" in text
+    # 12 AdamW steps amplify float32 rounding (weights of about 0.1; tests/test_convergence.py allows 1e-3)
+    assert number_after("merged weights, largest abs difference:", text) <= 1e-4
+    assert number_after("merged logits, largest abs difference:", text) <= 1e-4
+
+
 # what a notebook needs beyond the notebook stack
-REQUIRES = {"02_huggingface": "transformers"}
+REQUIRES = {"02_huggingface": "transformers", "07_lora_trainer": "peft"}
 CHECKS = {"01_quickstart": check_quickstart, "02_huggingface": check_huggingface,
           "03_reading_the_dashboard": check_reading_the_dashboard, "04_training": check_training,
           "05_custom_fusion": check_custom_fusion,
-          "06_musa_and_gpus": check_musa_and_gpus}
+          "06_musa_and_gpus": check_musa_and_gpus, "07_lora_trainer": check_lora_trainer}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
