@@ -182,7 +182,7 @@ def match_projections(module: nn.Module) -> MatchResult:
                 **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
                 fused_attention="attention" in options.enabled_rules, backend=options.backend)
         notes = ([] if rotary == "rotate_half" else [f"rotary: {rotary}"]) + \
-            (["q/k norms run as the module's own"] if norms is not None and not fused_norms else [])
+            (["q/k norms run as the module's own"] if len(norm_choices) == 2 and not fused_norms else [])
         return Variant(build, note="; ".join(notes))
 
     # Each rotation with te_lab's rms_norm for RMSNorm q/k norms, then with the module's own

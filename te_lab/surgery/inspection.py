@@ -59,7 +59,8 @@ def identify_rms_norm(norm: nn.Module) -> Optional[tuple[float, float]]:
     if not isinstance(y, Tensor) or y.shape != x.shape:
         return None
     normalized = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
-    atol = rtol = TOLERANCES[weight.dtype]["rtol"] if weight.dtype in TOLERANCES else 1e-5
+    # Model libraries compute norms in float32 whatever the dtype: float64 weights too.
+    atol = rtol = max(TOLERANCES.get(weight.dtype, TOLERANCES[torch.float32])["rtol"], 1e-5)
     for offset in (0.0, 1.0):
         if torch.allclose(y.double(), normalized * (weight.double() + offset), rtol=rtol, atol=atol):
             return eps, offset
