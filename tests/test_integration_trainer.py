@@ -75,6 +75,20 @@ def test_num_items_in_batch_normalises_like_unfused_across_accumulated_micro_bat
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_shift_labels_are_the_targets_as_given_like_unfused():
+    """Context parallelism passes pre-shifted targets (``shift_labels``); the fused loss
+    must score them as they are, as Hugging Face's loss does."""
+    unfused = llama()
+    fused = copy.deepcopy(unfused)
+    te_lab.fuse(fused, sample=sample())
+    batch = sample()
+    targets = torch.roll(batch["labels"], -2, dims=-1)  # not the labels shifted by one
+    with torch.no_grad():
+        expected = unfused(**batch, shift_labels=targets).loss
+        torch.testing.assert_close(fused(**batch, shift_labels=targets).loss, expected, rtol=1e-5, atol=1e-5)
+        assert (fused(**batch).loss - expected).abs() > 1e-3
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_gradient_checkpointing_enabled_before_or_after_fusing(when):
     unfused = llama()
