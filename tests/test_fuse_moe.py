@@ -167,6 +167,31 @@ def test_near_misses_are_skipped_with_their_reason():
     assert all("expert activation ReLU" in row.reason for row in report.rows)
 
 
+class _ListedExperts(nn.Module):
+    """An older MoE layout: a router Linear and a ModuleList of per-expert gated MLPs."""
+
+    def __init__(self, hidden=16, width=8, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(nn.ModuleDict({"w1": nn.Linear(hidden, width), "w2": nn.Linear(width, hidden)})
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(1, -1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            mask = (chosen == index).to(x.dtype) * weights
+            out = out + mask * expert["w2"](torch.relu(expert["w1"](x)))
+        return out
+
+
+def test_experts_in_a_module_list_are_skipped_with_the_reason():
+    model = nn.Sequential(_ListedExperts())
+    report = te_lab.fuse(model, sample=(torch.randn(2, 5, 16),), only=["moe"], progress=False)
+    (row,) = [row for row in report.rows if row.rule == "moe"]
+    assert row.status == "skipped" and "ModuleList of per-expert modules" in row.reason
+
+
 class _ScaledMoE(nn.Module):
     """A Mixtral block that scales its output: it looks like one, computes something else."""
 

@@ -90,10 +90,23 @@ def _layouts(gate_up: tuple, down: tuple, hidden: int, experts_module: nn.Module
     return sorted(fits, key=lambda value: value != declared)
 
 
+def _expert_list(module: nn.Module) -> Optional[str]:
+    """A ModuleList child of per-expert modules beside a router for that many experts."""
+    for name, child in module._modules.items():
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and any(
+                _is_router_weight(other._parameters.get("weight"), len(child))
+                for other_name, other in module._modules.items() if other_name != name):
+            return name
+    return None
+
+
 def match_moe(module: nn.Module) -> MatchResult:
     experts_name = _experts_child(module)
     if experts_name is None:
-        return None
+        listed = _expert_list(module)
+        return None if listed is None else Skip(
+            f"its experts ({listed}) are a ModuleList of per-expert modules; the fused block takes experts stored "
+            f"as 3-D gate_up_proj / down_proj Parameters (no transformers 5.24 MoE family stores them as a list)")
     experts_module = module._modules[experts_name]
     gate_up, down = experts_module._parameters["gate_up_proj"], experts_module._parameters["down_proj"]
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
