@@ -13,8 +13,8 @@ q/k norms (QK-norm) and attention sinks from its children and parameters. Slidin
 need nothing of the rule: they are in the masks the model passes each layer. How the
 module rotates q and k (rotate-half, interleaved, or not at all) is left to the probe,
 which keeps the first rotation that reproduces it; so is everything else it does.
-Multi-head latent attention (DeepSeek-V3's MLA: ``q_a_proj``, ``kv_a_proj_with_mqa``) is
-not matched yet.
+Multi-head latent attention (DeepSeek-V3's MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``) is
+recognized and skipped: not covered yet.
 """
 
 from __future__ import annotations
@@ -225,8 +225,17 @@ def match_qkv_projection(module: nn.Module) -> MatchResult:
     return Match([Variant(build)], example, probe_outputs=_attention_output)
 
 
+def match_latent_attention(module: nn.Module) -> MatchResult:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values decompressed
+    from a low-rank latent (``kv_a_proj_with_mqa``, ``kv_b_proj``). Recognized, so its
+    report row says why it stays unfused."""
+    if is_linear_like(module._modules.get("kv_a_proj_with_mqa")) and is_linear_like(module._modules.get("kv_b_proj")):
+        return Skip("multi-head latent attention (MLA: kv_a_proj_with_mqa, kv_b_proj) is not covered yet")
+    return None
+
+
 def match_attention(module: nn.Module) -> MatchResult:
-    return match_projections(module) or match_qkv_projection(module)
+    return match_projections(module) or match_qkv_projection(module) or match_latent_attention(module)
 
 
 ATTENTION = register_builtin_rule(FusionRule(
