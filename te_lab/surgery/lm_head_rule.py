@@ -54,7 +54,7 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
         return Skip(f"lm_head is a {type(head).__name__} standing in for a Linear (an adapter), whose weight alone "
                     f"is not its product; the fused loss multiplies by the weight itself")
     wrapper = module.__dict__.get("forward")
-    if hasattr(wrapper, "__wrapped__"):
+    if hasattr(wrapper, "__wrapped__") and not isinstance(wrapper, FusedLMHeadLoss):
         return Skip(f"its forward is wrapped ({describe_callable(wrapper)}, e.g. by Accelerator.prepare's mixed "
                     f"precision or a device-map hook), and the fused loss would bypass the wrapper; fuse before "
                     f"wrapping")
