@@ -155,6 +155,7 @@ def run_trainer(model, output_dir, **arguments):
     return trainer
 
 
+@pytest.mark.slow  # whole Trainer runs
 @pytest.mark.parametrize("arguments, rtol", [
     (dict(gradient_accumulation_steps=2), 1e-5),
     (dict(gradient_checkpointing=True), 1e-5),
@@ -188,6 +189,7 @@ def run_trainer_with_callback(model, output_dir, callback, **arguments):
     return trainer
 
 
+@pytest.mark.slow  # whole Trainer runs
 @pytest.mark.parametrize("arguments, rtol", [(dict(), 1e-5), (dict(bf16=True), 1.6e-2)], ids=["fp32", "bf16"])
 def test_the_trainer_callback_fuses_at_train_begin_and_trains_as_unfused(tmp_path, capsys, arguments, rtol):
     unfused = llama()
@@ -208,6 +210,7 @@ def test_the_trainer_callback_fuses_at_train_begin_and_trains_as_unfused(tmp_pat
                         atol=1e-5 if rtol < 1e-3 else 6e-3)
 
 
+@pytest.mark.slow  # whole Trainer runs
 def test_the_trainer_callback_profiles_a_training_step_into_html(tmp_path, capsys):
     model = llama()
     html = tmp_path / "step.html"

@@ -49,6 +49,7 @@ def run_sft(model, output_dir):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.slow  # whole Trainer runs
 def test_sft_trainer_trains_a_fused_model_as_unfused(tmp_path):
     unfused = llama()
     fused = copy.deepcopy(unfused)
@@ -64,6 +65,7 @@ def test_sft_trainer_trains_a_fused_model_as_unfused(tmp_path):
     assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
 
 
+@pytest.mark.slow  # whole Trainer runs
 def test_the_trainer_callback_under_sft_trainer_leaves_trls_lm_head_and_says_so(tmp_path):
     model = llama()
     callback = te_lab.TrainerCallback(verbose=False)
