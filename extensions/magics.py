@@ -113,6 +113,9 @@ class TeLabMagics(Magics):
               help="with --steps auto, the most seconds spent on timed steps (default 60)")
     @argument("--warmup", type=argument_type(check_warmup), default=2, help="untimed steps per mode first (default 2)")
     @argument("--no-backward", action="store_true", help="do not differentiate the statement's value")
+    @argument("--generation", action="store_true",
+              help="the statement generates (model.generate(...)): profile prefill and decode apart, eager against "
+                   "fused (te_lab.profile_generation; --steps N: N timed runs per mode, auto: 3)")
     @argument("--html", metavar="PATH", help="also write the static report to PATH (.html)")
     @argument("-o", dest="output", action="store_true",
               help="return the ProfileReport (report = %%te_profile -o ...), as %%timeit -o does")
@@ -167,6 +170,12 @@ class TeLabMagics(Magics):
         if args.html is not None and not args.html.lower().endswith((".html", ".htm")):
             raise UsageError(f"%te_profile: --html must name an .html file, got {args.html!r}")
         models = self._fused_models(args.model)
+        if args.generation and args.html:
+            raise UsageError("%te_profile --generation: --html is for the training-step dashboard; the generation "
+                             "profile is shown as a table (return it with -o)")
+        if args.generation and len(models) != 1:
+            raise UsageError(f"%te_profile --generation: profiles one fused model; found {', '.join(models)}: "
+                             f"pass --model")
         code = self.shell.transform_cell(code)  # IPython syntax (%magics, !commands) as in a cell
         try:
             tree = ast.parse(code, mode="eval")
@@ -187,6 +196,13 @@ class TeLabMagics(Magics):
             exec(compiled, namespace)
             return None
 
+        if args.generation:
+            profile = te_lab.profile_generation(run, next(iter(models.values())),
+                                                runs=3 if args.steps == "auto" else args.steps)
+            print(f"%te_profile: ran the {what} {runs} times (a warm-up, a profiled and {profile.runs} timed runs in "
+                  f"each of eager and fused mode)")
+            te_lab.show(profile)
+            return profile
         profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
                                            backward=is_expression and not args.no_backward)
         report = None

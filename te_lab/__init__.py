@@ -33,13 +33,19 @@ __version__ = "0.1.0"
 def show(report, rerun=None) -> None:
     """In a notebook, the dashboard of a :class:`ProfileReport` (its Re-run button
     measuring ``rerun``, a :class:`ProfileRun`, when given), or the views of a GPU trace
-    (:func:`open_trace`: timeline per stream, figures, kernels); the text summary where no
+    (:func:`open_trace`: timeline per stream, figures, kernels), or the prefill and decode
+    table of a :class:`GenerationProfile`; the text summary where no
     widget frontend runs (plain Python, a terminal, a CI log). Loads ipywidgets and plotly
     on first use: the data never imports them."""
     if isinstance(report, GpuTrace):
         from te_lab.widgets.trace_view import show_trace
 
         show_trace(report)
+        return
+    if isinstance(report, GenerationProfile):
+        from te_lab.widgets.generation_view import show_generation
+
+        show_generation(report)
         return
     from te_lab.widgets.display import show_report
 

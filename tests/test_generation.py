@@ -154,3 +154,32 @@ def test_a_profile_of_generate_shows_prefill_and_decode_apart_and_round_trips():
 def test_profile_generation_refuses_an_unfused_model():
     with pytest.raises(ValueError, match="model is not a model with te_lab fusions"):
         te_lab.profile_generation(lambda: None, te_lab.models.llama("tiny"))
+
+
+def test_te_profile_generation_profiles_prefill_and_decode_and_draws_their_table(capsys):
+    pytest.importorskip("IPython")
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from te_lab.widgets.generation_view import generation_html
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "te_lab")
+    try:
+        model = te_lab.models.llama("tiny", seed=0).eval()
+        prompt = torch.randint(1, 250, (1, 8), generator=torch.Generator().manual_seed(4))
+        te_lab.fuse(model, sample={"input_ids": prompt}, progress=False)
+        shell.user_ns.update(model=model, prompt=prompt, generate=generation.generate)
+        profile = shell.run_line_magic("te_profile", "--generation --steps 1 -o generate(model, model, prompt, 3)")
+        assert isinstance(profile, te_lab.GenerationProfile) and profile.runs == 1
+        # Without a KV cache every step reruns the sequence: 1 prefill forward, 2 decode forwards of 1 token each.
+        assert (profile.phases["prefill"]["fused"].tokens, profile.phases["decode"]["fused"].forwards) == (8, 2)
+        assert "ran the statement 6 times" in capsys.readouterr().out  # warm-up, profiled, timed; two modes
+        table = generation_html(profile)
+        assert table.count("<tr>") == 3 and "<td>prefill</td><td>8</td><td>1</td>" in table
+        assert f"<td>{profile.speedup('decode'):.2f}x</td>" in table
+        with pytest.raises(UsageError, match="--html is for the training-step dashboard"):
+            shell.run_line_magic("te_profile", "--generation --html x.html generate(model, model, prompt, 3)")
+    finally:
+        shell.run_line_magic("unload_ext", "te_lab")
+        InteractiveShell.clear_instance()
