@@ -73,17 +73,3 @@ def autocast_training_check(device: torch.device, *, model: str = "llama-mini", 
             "losses": curves, "within_tolerance": agree, "max_loss_difference": max(differences),
             "median_step_ms": {name: timing.median_ms for name, timing in timings.items()},
             "fused_speedup": ratio.as_dict()}
-
-
-def print_training_check(result: dict) -> None:
-    print(f"## {result['model']} training under autocast({result['dtype']}), {result['steps']} steps, "
-          f"batch {result['batch']} x seq {result['seq']}\n")
-    print("| step | unfused loss | fused loss | |diff| |")
-    print("|---:|---:|---:|---:|")
-    for step, (unfused, fused) in enumerate(zip(result["losses"]["unfused"], result["losses"]["fused"]), 1):
-        print(f"| {step} | {unfused:.5f} | {fused:.5f} | {abs(fused - unfused):.2g} |")
-    ratio = result["fused_speedup"]
-    print(f"\nloss curves {'agree' if result['within_tolerance'] else 'DIFFER'} within {result['dtype']} tolerance "
-          f"(max |diff| {result['max_loss_difference']:.3g}); median step: unfused "
-          f"{result['median_step_ms']['unfused']:.2f} ms, fused {result['median_step_ms']['fused']:.2f} ms, "
-          f"fused speedup {ratio['value']:.2f}x [{ratio['interval_low']:.2f}-{ratio['interval_high']:.2f}]\n")

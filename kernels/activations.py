@@ -30,10 +30,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 # Triton kernels take the activation as an integer constexpr.
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
+# The eager code's constants. The Triton kernels write them as literals (Triton reads a
+# module's globals only as constexprs, which its interpreter cannot multiply from the
+# left), and kernels/cpp/activations.h as its own constants.
 _SQRT_HALF = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_TANH_SCALE = math.sqrt(2.0 / math.pi)
-_TANH_CUBIC = 0.044715
 # Where the clamped terms are already negligible (< 1e-20) but still normal floats.
 _PDF_CLAMP = 10.0
 _SIGMOID_FLOOR = -80.0
@@ -69,8 +70,8 @@ if HAS_TRITON:
     def triton_activate(x, ACTIVATION: tl.constexpr):
         """The activation with code ``ACTIVATION`` (see ACTIVATION_CODES) of a float tensor."""
         if ACTIVATION == 0:
-            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        elif ACTIVATION == 1:
+            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # _SQRT_HALF
+        elif ACTIVATION == 1:  # sqrt(2 / pi) and the cubic term's 0.044715, as F.gelu's
             y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
         else:
             y = x * tl.sigmoid(x)
@@ -82,9 +83,9 @@ if HAS_TRITON:
         if ACTIVATION == 0:
             bounded = tl.minimum(tl.maximum(x, -10.0), 10.0)  # _PDF_CLAMP: no subnormals
             g = (0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-                 + bounded * tl.exp(-0.5 * bounded * bounded) * 0.3989422804014327)
+                 + bounded * tl.exp(-0.5 * bounded * bounded) * 0.3989422804014327)  # _INV_SQRT_2PI
         elif ACTIVATION == 1:
-            t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+            t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))  # 0.134145 = 3 * 0.044715
             g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         else:
             sig = tl.sigmoid(tl.maximum(x, -80.0))  # _SIGMOID_FLOOR: no subnormals

@@ -161,9 +161,16 @@ def test_cpu_profiler_activities_and_distributed_backend():
     assert devices.distributed_backend("cpu") == "gloo"
 
 
-def test_device_guard_on_the_cpu_is_a_no_op():
-    with devices.device_guard(CPU):
-        pass
+def test_device_guard_on_the_cpu_is_a_no_op(monkeypatch):
+    """On the CPU the guard touches no device module: a GPU's guard would need one."""
+    def no_module(device):
+        raise AssertionError(f"device_guard asked for the device module of {device}")
+
+    monkeypatch.setattr(devices, "device_module", no_module)
+    ran = []
+    with devices.device_guard(CPU) as entered:
+        ran.append(torch.ones(2).sum().item())
+    assert entered is None and ran == [2.0]
 
 
 # ---- peak table --------------------------------------------------------------------

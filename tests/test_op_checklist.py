@@ -6,6 +6,7 @@ in the order it is tried and exercised by the fuse tests. (Two more steps are ch
 where their subject is: every custom op's autocast kernel in test_autocast.py, every
 custom op's cost and hand count in test_costs.py.)"""
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -114,6 +115,38 @@ def test_api_reference_lists_the_built_in_rules_in_the_order_they_are_tried():
     assert [backticked(row[0])[0] for row in rows] == BUILT_IN_RULES
 
 
-def test_every_built_in_rule_is_exercised_by_the_fuse_tests():
-    tests = "".join(path.read_text(encoding="utf-8") for path in sorted((REPO / "tests").glob("test_fuse*.py")))
-    assert [name for name in BUILT_IN_RULES if f'"{name}"' not in tests] == []
+def asserted_strings(path: Path) -> set[str]:
+    """The string constants a test file asserts on: inside ``assert`` statements, and in
+    the ``parametrize`` values of a test that asserts (expected rows per rule, say); not
+    those that only select or exclude rules, or sit in comments."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Assert):
+            found |= strings_in(node)
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and any(
+                isinstance(inner, ast.Assert) for inner in ast.walk(node)):
+            for decorator in node.decorator_list:
+                if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize":
+                    found |= strings_in(decorator)
+    return found
+
+
+def strings_in(node: ast.AST) -> set[str]:
+    return {leaf.value for leaf in ast.walk(node) if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str)}
+
+
+def test_every_built_in_rule_is_asserted_on_by_the_fuse_tests():
+    asserted = set().union(*(asserted_strings(path) for path in sorted((REPO / "tests").glob("test_fuse*.py"))))
+    assert [name for name in BUILT_IN_RULES if name not in asserted] == []
+
+
+def test_asserted_strings_ignores_names_that_only_select_rules(tmp_path):
+    source = tmp_path / "test_fuse_example.py"
+    source.write_text(
+        "import pytest\n"
+        "# the rope rule\n"
+        "@pytest.mark.parametrize('expected', [{'rmsnorm': 3}])\n"
+        "def test_counts(expected):\n"
+        "    report = fuse(model, exclude=['attention'])\n"
+        "    assert report.rows[0].rule == 'mlp'\n")
+    assert asserted_strings(source) & {"rope", "rmsnorm", "attention", "mlp"} == {"rmsnorm", "mlp"}
