@@ -291,6 +291,14 @@ TWIN_CASES = [
 ]
 
 
+def rotary_tables(model, attention, hidden, positions):
+    """The model's (cos, sin) for ``attention``'s layer (Gemma 3 keeps one table per layer type)."""
+    rotary = model.model.rotary_emb
+    per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    layer_type = getattr(attention, "original", attention).layer_type if per_layer_type else None
+    return rotary(hidden, positions, **({"layer_type": layer_type} if per_layer_type else {}))
+
+
 @pytest.mark.parametrize("model_type, note", TWIN_CASES)
 def test_attention_twin_computes_the_module_in_float64(model_type, note):
     """The rule's variant for the family, built on the first layer's attention of a float64
@@ -311,10 +319,7 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
     hidden = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(4)) * 3
     positions = torch.arange(10).expand(2, 10)
-    rotary = model.model.rotary_emb
-    layer_type = {"layer_type": module.layer_type} if "layer_type" in inspect.signature(rotary.forward).parameters \
-        else {}
-    cos, sin = rotary(hidden, positions, **layer_type)
+    cos, sin = rotary_tables(model, module, hidden, positions)
     upstream = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
                            generator=torch.Generator().manual_seed(5))
     parameters = [p for p in module.parameters() if p.requires_grad]
@@ -328,3 +333,42 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
     # through float32 even in a float64 model; a wrong twin misses by O(1).
     for got, want in zip(run(twin), run(module)):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "gpt_oss", "phi3"])
+def test_multi_token_calls_against_a_filled_cache_run_fused(model_type):
+    """Chunked prefill: a second chunk of several tokens against the first chunk's cache
+    (the mask the model builds, sliding windows included) and a direct call of a layer
+    without a mask (SDPA's top-left causal) both run on the fused path and give the
+    unfused numbers."""
+    model, unfused, _ = fused_pair(model_type)
+    twins = attention_twins(model)
+    handed_back = []
+    for twin in twins:
+        twin._call_original = lambda args, kwargs, call=twin._call_original: handed_back.append(1) or call(args, kwargs)
+    ids = torch.randint(3, 120, (2, 14), generator=torch.Generator().manual_seed(6))
+    try:
+        with torch.no_grad():
+            logits = []
+            for m in (model, unfused):
+                cache = transformers.DynamicCache(config=m.config)
+                m(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+                logits.append(m(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True).logits)
+            # The first layer's attention alone, 3 new tokens after 5 cached ones, no mask.
+            outputs = []
+            for m in (model, unfused):
+                attention = m.model.layers[0].self_attn
+                cache = transformers.DynamicCache(config=m.config)
+                hidden = torch.randn(2, 8, m.config.hidden_size, generator=torch.Generator().manual_seed(7))
+                tables = rotary_tables(m, attention, hidden, torch.arange(8).expand(2, 8))
+                attention(hidden[:, :5], position_embeddings=tuple(t[:, :5] for t in tables), attention_mask=None,
+                          past_key_values=cache)
+                outputs.append(attention(hidden[:, 5:], position_embeddings=tuple(t[:, 5:] for t in tables),
+                                         attention_mask=None, past_key_values=cache)[0])
+    finally:
+        for twin in twins:
+            del twin._call_original
+    scale = logits[1].abs().max()
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * scale + 1e-5
+    assert (outputs[0] - outputs[1]).abs().max() <= 1e-5 * outputs[1].abs().max() + 1e-5
+    assert not handed_back, f"{len(handed_back)} attention calls handed back to the original"
