@@ -253,6 +253,31 @@ def select_measured_backend(op: FusedOp, device: torch.device, requested: Option
     dtype, sizes, extras, kind of call) outside ``use_backend`` blocks, torch.compile's
     tracing and dispatch or function modes (whose sizes may be symbolic): a decode step's
     ops then pay one dict lookup each."""
+    chosen = _select_measured_per_call(op, device, requested, dtype, sizes, extras)
+    for recorder in _CHOICE_RECORDERS:
+        recorder.setdefault(op.name, set()).add(chosen)
+    return chosen
+
+
+# Open recorders of :func:`recording_choices`: op name -> the backends its calls ran on.
+_CHOICE_RECORDERS: list[dict[str, set]] = []
+
+
+@contextlib.contextmanager
+def recording_choices() -> Iterator[dict[str, set]]:
+    """Inside the block, every call whose backend is a measured choice adds it to the dict
+    yielded (op name -> the backends chosen), so a report can say what ran (``fuse`` records
+    its probes)."""
+    recorder: dict[str, set] = {}
+    _CHOICE_RECORDERS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _CHOICE_RECORDERS.remove(recorder)
+
+
+def _select_measured_per_call(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
+                              sizes: tuple[int, ...], extras: tuple) -> str:
     training = training_call()
     if (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled()):

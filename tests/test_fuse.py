@@ -79,8 +79,14 @@ def test_fusion_report_rows_carry_backends_kernels_and_errors():
     for row in report.rows:
         assert row.output_max_abs is not None and row.output_max_abs <= TOLERANCES[torch.float32]["atol"]
         assert row.grad_max_rel is not None and row.grad_max_rel <= 1e-4
+        # judged against the float64 truth, with the original's own error beside the twin's
+        assert row.truth == "float64" and row.original_output_max_abs is not None
+        # the backend column names what the probe ran, not how it would be chosen
+        for backends in row.backends.values():
+            assert set(backends.split("+")) <= {"cpp", "native", "inductor", "reference", "triton"}, backends
     text = str(report)
     assert "model.layers.1.mlp" in text and "FusedGatedMLP" in text and "(model)" in text
+    assert f"attention: {LAYERS} of {LAYERS} fused" in text and "whichever measured" not in text
     html = report._repr_html_()
     assert html.count("<tr>") == len(report.rows) + 1 and "FusedAttention" in html
     restored = te_lab.FusionReport.from_dict(report.to_dict())

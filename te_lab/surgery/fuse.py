@@ -26,7 +26,7 @@ from torch import nn
 from te_lab import distributed
 from te_lab.inputs import as_call_inputs, call_with, output_tensors
 from te_lab.kernels.linear import LINEAR
-from te_lab.kernels.registry import forced_backend
+from te_lab.kernels.registry import forced_backend, recording_choices
 from te_lab.options import check_backend
 
 from . import hooks, report as reports
@@ -44,6 +44,7 @@ from .probe import (
     sample_shape,
     trainable_parameters,
 )
+from .report import MEASURED, MEASURED_PHRASE
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .selection import Candidate, Selection, already_fused, find_candidates
 from .swaps import Swap, record_swaps, sites_of
@@ -86,6 +87,7 @@ class _Fuser:
         self.swaps: list[Swap] = []
         self.replaced: list[str] = []  # paths whose module a twin replaced (or would replace, in a dry run)
         self.current = ""  # the path being processed, for the message of an error or an interrupt
+        self.ran: dict[str, set] = {}  # op name -> backends chosen in the last probe
 
     def process(self, candidate: Candidate) -> reports.FusionRow:
         self.current = candidate.path or reports.ROOT_LABEL
@@ -158,7 +160,7 @@ class _Fuser:
             row = reports.FusionRow(
                 candidate.path, type(module).__name__, rule.name, rule.kind, reports.FUSED,
                 fused_type=type(twin).__name__, variant=variant.note,
-                backends=twin.resolved_backends(self.device), kernels=twin.kernel_names(),
+                backends=self._backends_that_ran(twin), kernels=twin.kernel_names(),
                 probe="synthesized" if fallback else source)
             if projections_note:
                 row.variant = "; ".join(filter(None, (row.variant, projections_note)))
@@ -199,6 +201,14 @@ class _Fuser:
             return row
         return None
 
+    def _backends_that_ran(self, twin) -> dict[str, str]:
+        """Op name -> the backend(s) the twin's ops ran on in its last probe (``cpp``,
+        ``cpp+reference`` where calls of different sizes chose differently), or as chosen
+        for any call where the op was not probed (``verify=False``) or is not measured."""
+        described = twin.resolved_backends(self.device)
+        ran = {name: "+".join(sorted(backends)) for name, backends in self.ran.items() if name in described}
+        return {name: ran.get(name, MEASURED if MEASURED_PHRASE in how else how) for name, how in described.items()}
+
     def _with_accurate_projections(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match,
                                    result: ProbeResult) -> tuple[ProbeResult, str]:
         """A twin that missed the bar while its projections ran as te_lab's ``linear`` op
@@ -226,7 +236,8 @@ class _Fuser:
 
     def _probe_on(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
-            with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
+            with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module), \
+                    recording_choices() as self.ran:
                 return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
                              match.probe_outputs, truth_roots=[module])
         except torch.OutOfMemoryError:

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE = "fused", "skipped", "kept-original-slower", "would-fuse"
+# A backend column entry for an op whose backend is measured per call's sizes and that no
+# probe ran; MEASURED_PHRASE is how the registry describes such a choice.
+MEASURED, MEASURED_PHRASE = "measured", "whichever measured faster"
 ROOT_LABEL = "(model)"
 
 
@@ -105,38 +108,64 @@ class FusionReport:
                  + (f"; fused/candidates by rule: {per_rule}" if per_rule else "")]
         if self.already_fused:
             lines.append(f"{len(self.already_fused)} module(s) were already fused and were left alone")
+        if any(row.truth == "float64" for row in self.rows):
+            lines.append("errors are each side's largest against the original run in float64 (the original's in "
+                         "parentheses); a twin passes where, row by row, its error is within twice the original's "
+                         "plus the dtype's tolerance")
+        if any(row.backends for row in self.rows) and self.device.startswith("cpu"):
+            lines.append("backends: what each twin's probe ran; on the CPU several ops choose theirs by measuring "
+                         "on this machine per class of sizes, so other sizes may run another (te-lab info lists "
+                         "the decisions)")
         if self.model_check is not None:
             lines.append(_model_check_line(self.model_check))
         lines.extend(self.notes)
         return "\n".join(lines)
 
+    def grouped_rows(self) -> list[tuple[str, list]]:
+        """The rows by rule, rules in the order their first candidate came."""
+        groups: dict[str, list] = {}
+        for row in self.rows:
+            groups.setdefault(row.rule, []).append(row)
+        return list(groups.items())
+
     def __str__(self) -> str:
-        header = ("module", "original -> fused", "rule", "backend", "out err", "grad err", "speedup", "status")
-        table = [header] + [(
-            row.label, f"{row.original_type} -> {row.fused_type or '-'}", row.rule, _backends(row),
-            _error(row.output_max_abs), _error(row.grad_max_abs), _speedup(row.speedup),
-            row.status + (f": {row.reason}" if row.reason else ""),
-        ) for row in self.rows]
-        widths = [max(len(str(line[i])) for line in table) for i in range(len(header) - 1)]
-        lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line[:-1], widths)) + "  " + line[-1]
+        header = ("module", "original -> fused", "backend", "out err (orig)", "grad err (orig)", "speedup", "status")
+        table: list = [header]
+        for rule, rows in self.grouped_rows():
+            table.append(f"{rule}: {sum(row.status == FUSED for row in rows)} of {len(rows)} fused")
+            table.extend((
+                "  " + row.label, f"{row.original_type} -> {row.fused_type or '-'}", _backends(row),
+                _errors(row.output_max_abs, row.original_output_max_abs),
+                _errors(row.grad_max_abs, row.original_grad_max_abs), _speedup(row.speedup),
+                row.status + (f": {row.reason}" if row.reason else ""),
+            ) for row in rows)
+        cells = [line for line in table if isinstance(line, tuple)]
+        widths = [max(len(str(line[i])) for line in cells) for i in range(len(header) - 1)]
+        lines = [line if isinstance(line, str) else
+                 "  ".join(str(cell).ljust(width) for cell, width in zip(line[:-1], widths)) + "  " + line[-1]
                  for line in table]
         return self.summary() + "\n\n" + "\n".join(lines)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        cells = "".join(f"<th>{name}</th>" for name in (
-            "module", "original", "fused", "rule", "backend / kernels", "max err out (rel)", "max err grad (rel)",
-            "speedup", "status"))
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in (
-                row.label, row.original_type, row.fused_type or "-", row.rule,
-                f"{_backends(row)} {' '.join(row.kernels)}".strip(),
-                f"{_error(row.output_max_abs)} ({_error(row.output_max_rel)})",
-                f"{_error(row.grad_max_abs)} ({_error(row.grad_max_rel)})", _speedup(row.speedup),
-            )) + f'<td style="color:{_STATUS_COLOURS[row.status]}">{html.escape(row.status)}'
-            + (f": {html.escape(row.reason)}" if row.reason else "") + "</td></tr>"
-            for row in self.rows)
+        names = ("module", "original", "fused", "backend / kernels", "max err out (orig)", "max err grad (orig)",
+                 "speedup", "status")
+        cells = "".join(f"<th>{name}</th>" for name in names)
+        body = ""
+        for rule, rows in self.grouped_rows():
+            fused = sum(row.status == FUSED for row in rows)
+            body += (f'<tr class="te-lab-rule"><th colspan="{len(names)}" style="text-align:left">{html.escape(rule)}: {fused} of '
+                     f"{len(rows)} fused</th></tr>")
+            body += "".join(
+                "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in (
+                    row.label, row.original_type, row.fused_type or "-",
+                    f"{_backends(row)} {' '.join(row.kernels)}".strip(),
+                    _errors(row.output_max_abs, row.original_output_max_abs),
+                    _errors(row.grad_max_abs, row.original_grad_max_abs), _speedup(row.speedup),
+                )) + f'<td style="color:{_STATUS_COLOURS[row.status]}">{html.escape(row.status)}'
+                + (f": {html.escape(row.reason)}" if row.reason else "") + "</td></tr>"
+                for row in rows)
         summary = "<br>".join(html.escape(line) for line in self.summary().splitlines())
         return (f'<div class="te-lab-fusion-report"><p>{summary}</p>'
                 f'<table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table></div>')
@@ -168,7 +197,13 @@ def _speedup(value: Optional[float]) -> str:
 
 
 def _backends(row: FusionRow) -> str:
-    return ",".join(sorted(set(row.backends.values()))) or "-"
+    """What the row's ops ran on, e.g. ``cpp+native`` (see :data:`MEASURED`)."""
+    return "+".join(sorted({b for value in row.backends.values() for b in value.split("+")})) or "-"
+
+
+def _errors(twin: Optional[float], original: Optional[float]) -> str:
+    """The twin's error, and in parentheses the original's, both against the float64 truth."""
+    return _error(twin) + ("" if original is None else f" ({original:.2g})")
 
 
 def _model_check_line(check: ModelCheck) -> str:
