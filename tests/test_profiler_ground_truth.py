@@ -154,10 +154,10 @@ def test_the_headline_interval_holds_an_independent_plain_loops_ratio():
     batch = models.example_batch(model, 2, 64)
     te_lab.fuse(model, sample=batch, progress=False)
     for attempt in range(2):  # a miss is measured once more: the machine is noisy
-        report = te_lab.profile(model, batch, steps="auto", budget_s=20, warmup=2)
+        report = te_lab.profile(model, batch, steps="auto", budget_s=10, warmup=2)
         assert "[" in report.summary().splitlines()[1]  # the headline prints its interval
         low, high = report.totals.speedup_low, report.totals.speedup_high
-        ratio = _plain_loop_ratio(model, batch, pairs=15)
+        ratio = _plain_loop_ratio(model, batch, pairs=10)
         if low <= ratio <= high:
             return
     pytest.fail(f"the plain loop's ratio {ratio:.3f} is outside the profile's interval [{low:.3f}, {high:.3f}]")
