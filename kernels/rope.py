@@ -479,4 +479,8 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
     chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]), (interleaved,))
     if chosen == "reference":
         return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
+    # The kernels read the tables as dense rows: broadcast (expanded) or strided tables
+    # are copied once here (the C++ kernels took a float32 expanded table as is and read
+    # past its memory).
+    cos, sin = (table if table.is_contiguous() else table.contiguous() for table in (cos, sin))
     return _rope_op(q, k, cos, sin, interleaved, layout, chosen)

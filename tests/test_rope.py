@@ -310,3 +310,17 @@ def test_the_cpp_op_refuses_tables_off_the_cpu():
     q, k, cos, sin = torch.ones(1, 2, 5, 8), torch.ones(1, 1, 5, 8), torch.ones(5, 8), torch.zeros(5, 8)
     with pytest.raises(ValueError, match="rope: q, k, cos and sin must be on the CPU, got cpu, cpu, meta and meta"):
         torch.ops.te_lab.rope.cpp(q, k, cos.to("meta"), sin.to("meta"), False, "bhsd")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expanded_and_strided_tables_give_the_reference(backend):
+    """Tables broadcast over the batch with expand (stride 0) or sliced out of wider ones,
+    already in float32: every backend reads their values, not the memory behind them."""
+    q, k, cos, sin = _simple_inputs(batch=2, heads_q=4, heads_k=2, seq=5, head_dim=16)
+    for make in (lambda t: t[None].expand(2, -1, -1), lambda t: torch.cat((t, t), -1)[..., ::2]):
+        c, s = make(cos), make(sin)
+        assert not c.is_contiguous()
+        got = apply_rotary(q, k, c, s, backend=backend)
+        want = apply_rotary_reference(q, k, c.contiguous(), s.contiguous())
+        for g, w in zip(got, want):
+            assert_close(g, w)
