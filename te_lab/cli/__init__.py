@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from te_lab.models import CheckpointError
+
 from . import bench, demo, generate, gpu_check, info, lab, profile
 
 COMMANDS = (demo, profile, generate, bench, gpu_check, info, lab)
@@ -24,4 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CheckpointError as error:  # a checkpoint that exists but cannot be loaded: what to do, no traceback
+        args.parser.error(f"--model: {error}")

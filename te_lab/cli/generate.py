@@ -14,21 +14,9 @@ import torch
 import te_lab
 from te_lab import device as devices
 from te_lab.benchmarks.generation import Generation, generate
-from te_lab.models import HUGGINGFACE_MODEL_NAMES, MODEL_NAMES, build_model, canonical_model_name
+from te_lab.models import MODEL_NAMES, build_model
 
-from .options import DTYPES, device_name, positive_int
-
-
-def model_source(value: str) -> str:
-    """A demo or ``hf:`` model name, or a folder holding a Hugging Face checkpoint."""
-    if Path(value).is_dir():
-        return value
-    try:
-        return canonical_model_name(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is neither a folder with a Hugging Face checkpoint nor a model te_lab builds "
-            f"({', '.join(MODEL_NAMES + HUGGINGFACE_MODEL_NAMES)})") from None
+from .options import DTYPES, device_name, model_name, positive_int
 
 
 def add_parser(subcommands) -> None:
@@ -38,7 +26,7 @@ def add_parser(subcommands) -> None:
                     "with random weights), fuse it, decode greedily from PROMPT unfused and fused in turn, and "
                     "print the text (token ids for a model without a tokenizer), prefill and decode tokens/s of "
                     "each, and whether both produced the same tokens.")
-    parser.add_argument("--model", type=model_source, required=True,
+    parser.add_argument("--model", type=model_name, required=True,
                         help="a folder with a Hugging Face checkpoint (config, weights, tokenizer), a demo model "
                              f"({', '.join(MODEL_NAMES)}) or hf:<architecture>[-<preset>]")
     parser.add_argument("--prompt", required=True,
@@ -55,18 +43,15 @@ def add_parser(subcommands) -> None:
 
 def _load(source: str, dtype: torch.dtype, device: torch.device):
     """(model in eval mode, tokenizer or None)."""
-    if not Path(source).is_dir():
-        return build_model(source, dtype=dtype, device=device).eval(), None
-    try:
-        import transformers
-    except ImportError:
-        raise SystemExit("te-lab generate: --model names a checkpoint folder, which needs the transformers package: "
-                         "pip install 'te_lab[hf]'") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device).eval()
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        tokenizer = None
+    model = build_model(source, dtype=dtype, device=device).eval()
+    tokenizer = None
+    if Path(source).is_dir():
+        import transformers  # build_model loaded the checkpoint with it
+
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except (OSError, ValueError):
+            pass
     return model, tokenizer
 
 

@@ -10,19 +10,26 @@ from pathlib import Path
 import torch
 
 from te_lab import device as devices
-from te_lab.models import HUGGINGFACE_MODEL_NAMES, MODEL_NAMES, canonical_model_name
+from te_lab.models import HUGGINGFACE_MODEL_NAMES, MODEL_NAMES, canonical_model_name, is_checkpoint_path
 from te_lab.options import argument_type, check_budget, check_steps, check_warmup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def model_name(value: str) -> str:
+    """A demo or ``hf:`` model name, or a checkpoint on disk (a folder that
+    ``save_pretrained`` wrote, a ``.gguf`` file), which must exist."""
+    if is_checkpoint_path(value):
+        if not Path(value).exists():
+            raise argparse.ArgumentTypeError(f"checkpoint {value!r} does not exist: pass a folder that "
+                                             f"save_pretrained wrote (config.json and *.safetensors) or a .gguf file")
+        return value
     try:
         return canonical_model_name(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"unknown model {value!r}; choose from {', '.join(MODEL_NAMES + HUGGINGFACE_MODEL_NAMES)} "
-            f"('hf:<architecture>' alone is its tiny preset)") from None
+            f"('hf:<architecture>' alone is its tiny preset), or pass a checkpoint folder or .gguf file") from None
 
 
 def device_name(value: str) -> str:
@@ -59,7 +66,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, model: str | None, bat
     """The model, its batch, the device, the dtype, the profile's length and the report
     files; ``model=None`` makes ``--model`` required."""
     parser.add_argument("--model", type=model_name, default=model, required=model is None,
-                        help=f"a demo model ({', '.join(MODEL_NAMES)}) or a Hugging Face one built from a config, "
+                        help="a checkpoint folder (config.json and safetensors) or .gguf file, "
+                             f"a demo model ({', '.join(MODEL_NAMES)}) or a Hugging Face one built from a config, "
                              f"no download (hf:<architecture>[-<preset>], e.g. hf:llama, hf:qwen2-mini)"
                              + (f"; default {model}" if model else ""))
     parser.add_argument("--batch", type=positive_int, default=batch, help=f"sequences per batch (default {batch})")

@@ -11,6 +11,7 @@ from torch import nn
 
 from .batches import example_batch
 from .causal_lm import LMOutput
+from .checkpoint import CheckpointError, is_checkpoint_path, load_checkpoint
 from .config import PRESETS, ModelConfig
 from .gpt2 import GPT2LM, GPT2MLP, GPT2Attention, GPT2Block, GPT2Body, gpt2
 from .huggingface import ARCHITECTURES, huggingface
@@ -41,7 +42,11 @@ def build_model(name: str, **kwargs) -> nn.Module:
     """The model called ``name``: a demo model ("llama-tiny", "gpt2-small", ...; ``kwargs``
     go to :func:`llama` or :func:`gpt2`: seed, dtype, device, config overrides) or a
     Hugging Face one ("hf:llama-tiny", "hf:qwen2-small", ...; "hf:llama" is
-    "hf:llama-tiny"; ``kwargs`` go to :func:`huggingface`)."""
+    "hf:llama-tiny"; ``kwargs`` go to :func:`huggingface`), or a checkpoint on disk (a
+    folder that ``save_pretrained`` wrote, a ``.gguf`` file: :func:`load_checkpoint`,
+    which takes ``dtype`` and ``device`` of ``kwargs``)."""
+    if is_checkpoint_path(name):
+        return load_checkpoint(name, **{k: v for k, v in kwargs.items() if k in ("dtype", "device")})
     full_name = canonical_model_name(name)
     if full_name.startswith("hf:"):
         architecture, preset = full_name[len("hf:"):].split("-", 1)
@@ -52,6 +57,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
 
 __all__ = [
     "ARCHITECTURES",
+    "CheckpointError",
     "GPT2Attention",
     "GPT2Block",
     "GPT2Body",
@@ -72,6 +78,7 @@ __all__ = [
     "build_model",
     "canonical_model_name",
     "example_batch",
+    "load_checkpoint",
     "gpt2",
     "huggingface",
     "llama",
