@@ -18,6 +18,7 @@ original module objects back and a second ``fuse`` leaves fused modules alone.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Optional
 
 import torch
@@ -53,9 +54,12 @@ from .timing import median_times_ms
 
 class _Progress:
     """One bar over the phases of a fuse: capturing the sample's inputs, building and
-    probing each candidate, checking the whole model; the bar's text names the phase."""
+    probing each candidate, checking the whole model; the bar's text names the phase, and
+    the seconds each phase took add up in ``seconds`` (the report's ``phase_seconds``)."""
 
     def __init__(self, total: int, enabled: Optional[bool]):
+        self.seconds: dict[str, float] = {}
+        self.current, self.started = "", time.perf_counter()
         self.bar = None
         if enabled is False or total == 0:
             return
@@ -66,15 +70,26 @@ class _Progress:
             from tqdm import tqdm
         self.bar = tqdm(total=total, desc="te_lab.fuse", disable=None if enabled is None else False, leave=False)
 
-    def phase(self, description: str) -> None:
+    def phase(self, description: str, key: str = "") -> None:
+        """Enter the phase ``description``; its time counts under ``key`` (default: itself)."""
+        self._account()
+        self.current = key or description
         if self.bar is not None:
             self.bar.set_description_str(f"te_lab.fuse: {description}")
+
+    def _account(self) -> None:
+        now = time.perf_counter()
+        if self.current:
+            self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self.started
+        self.started = now
 
     def step(self) -> None:
         if self.bar is not None:
             self.bar.update()
 
     def close(self) -> None:
+        self._account()
+        self.current = ""
         if self.bar is not None:
             self.bar.close()
 
@@ -341,7 +356,8 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
     try:
         for candidate in candidates:
-            bar.phase(f"building and probing {candidate.path or reports.ROOT_LABEL}")
+            bar.phase(f"building and probing {candidate.path or reports.ROOT_LABEL}",
+                      f"building and probing: {candidate.results[0][0].name}")
             if not any(candidate.path.startswith(p + ".") for p in fuser.replaced):
                 # (a module inside one already replaced is covered by that twin)
                 rows.append(fuser.process(candidate))
@@ -361,6 +377,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         raise
     finally:
         bar.close()
+    report.phase_seconds = {phase: round(seconds, 4) for phase, seconds in bar.seconds.items()}
     record_swaps(model, fuser.swaps)
     if dry_run:
         report.notes.append("dry run: nothing was swapped")

@@ -87,6 +87,9 @@ class FusionReport:
     already_fused: list = field(default_factory=list)
     model_check: Optional[ModelCheck] = None
     notes: list = field(default_factory=list)
+    # Seconds per phase of the fuse: "capturing the sample's inputs", "building and probing:
+    # <rule>" (every candidate of that rule), "checking the whole model".
+    phase_seconds: dict = field(default_factory=dict)
 
     @property
     def fused(self) -> list:
@@ -155,8 +158,8 @@ class FusionReport:
         body = ""
         for rule, rows in self.grouped_rows():
             fused = sum(row.status == FUSED for row in rows)
-            body += (f'<tr class="te-lab-rule"><th colspan="{len(names)}" style="text-align:left">{html.escape(rule)}: {fused} of '
-                     f"{len(rows)} fused</th></tr>")
+            body += (f'<tr class="te-lab-rule"><th colspan="{len(names)}" style="text-align:left">'
+                     f"{html.escape(rule)}: {fused} of {len(rows)} fused</th></tr>")
             body += "".join(
                 "<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in (
                     row.label, row.original_type, row.fused_type or "-",
