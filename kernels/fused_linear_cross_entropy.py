@@ -267,9 +267,12 @@ _KEEPS_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph",
 def _scales_in_place(stored: tuple, dtype: torch.dtype) -> bool:
     """Whether this backward may scale the stored gradients in place: the graph is freed
     after it (no ``retain_graph``/``create_graph``, so nothing reads them again), they
-    already have the inputs' dtype, and no compiler is tracing it."""
+    already have the inputs' dtype, and nothing traces it: no compiler, and no dispatch
+    mode or tensor subclass (AOT autograd's functionalization cannot have a backward
+    mutate what the forward saved)."""
     return (_KEEPS_GRAPH is not None and not torch.compiler.is_compiling() and not _KEEPS_GRAPH()
-            and all(tensor is None or tensor.dtype == dtype for tensor in stored))
+            and not torch._C._len_torch_dispatch_stack()
+            and all(tensor is None or (type(tensor) is Tensor and tensor.dtype == dtype) for tensor in stored))
 
 
 def _setup_context(ctx, inputs, output):

@@ -134,9 +134,11 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const Tensor& x, cons
 class BiasActFunction : public torch::autograd::Function<BiasActFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& bias,
-                        c10::string_view activation) {
+                        c10::string_view activation, c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    Tensor y = bias_act_forward(x, bias, activation);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::bias_act.cpp.
+    static const auto op = cpp_overload<decltype(bias_act_forward)>("te_lab::bias_act");
+    Tensor y = op.redispatch(keys_below_autograd(keys), x, bias, activation);
     ctx->save_for_backward({x, given(bias) ? *bias : Tensor()});
     ctx->saved_data["activation"] = std::string(activation);
     return y;
@@ -147,12 +149,12 @@ class BiasActFunction : public torch::autograd::Function<BiasActFunction> {
     const std::optional<Tensor> bias = saved[1].defined() ? std::optional<Tensor>(saved[1]) : std::nullopt;
     const bool need_dbias = bias.has_value() && ctx->needs_input_grad(1);
     auto [dx, dbias] = call_backward(grads[0], saved[0], bias, ctx->saved_data["activation"].toStringRef(), need_dbias);
-    return {dx, need_dbias ? dbias : Tensor(), Tensor()};
+    return {dx, need_dbias ? dbias : Tensor(), Tensor(), Tensor()};
   }
 };
 
-Tensor bias_act_autograd(const Tensor& x, const std::optional<Tensor>& bias, c10::string_view activation) {
-  return BiasActFunction::apply(x, bias, activation);
+Tensor bias_act_autograd(c10::DispatchKeySet keys, const Tensor& x, const std::optional<Tensor>& bias, c10::string_view activation) {
+  return BiasActFunction::apply(x, bias, activation, keys);
 }
 
 }  // namespace

@@ -215,9 +215,12 @@ Tensor call_backward(Tensor grad, const Tensor& dloss, bool in_place) {
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels, int64_t ignore_index,
-                               double label_smoothing, double z_loss, bool compute_grad) {
+                               double label_smoothing, double z_loss, bool compute_grad, c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [loss, grad] = cross_entropy_forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::cross_entropy.cpp.
+    static const auto op = cpp_overload<decltype(cross_entropy_forward)>("te_lab::cross_entropy");
+    auto [loss, grad] =
+        op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
     ctx->save_for_backward({grad});
     ctx->set_materialize_grads(false);
     const Tensor none = at::empty({0}, logits.options());
@@ -226,10 +229,10 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list none(6);
+    const variable_list none(7);
     if (!grads[0].defined()) return none;
     const Tensor grad = ctx->get_saved_variables()[0];
-    TORCH_CHECK(grad.numel() > 0 || grads[0].numel() == 0,
+    TORCH_CHECK(grad.dim() == 2 || grads[0].sym_numel() == 0,
                 "te_lab::cross_entropy: backward needs the gradient the forward computes (compute_grad=True)");
     variable_list result = none;
     result[0] = call_backward(grad, grads[0], !torch::autograd::get_current_graph_task_keep_graph());
@@ -237,13 +240,14 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   }
 };
 
-std::tuple<Tensor, Tensor> cross_entropy_autograd(const Tensor& logits, const Tensor& labels, int64_t ignore_index,
+std::tuple<Tensor, Tensor> cross_entropy_autograd(c10::DispatchKeySet keys, const Tensor& logits, const Tensor& labels, int64_t ignore_index,
                                                   double label_smoothing, double z_loss, bool compute_grad) {
   if (!(at::GradMode::is_enabled() && logits.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return cross_entropy_forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+    static const auto op = cpp_overload<decltype(cross_entropy_forward)>("te_lab::cross_entropy");
+    return op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
   }
-  auto outputs = CrossEntropyFunction::apply(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+  auto outputs = CrossEntropyFunction::apply(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, keys);
   return {outputs[0], outputs[1]};
 }
 

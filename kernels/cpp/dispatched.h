@@ -1,5 +1,7 @@
-// How te_lab's C++ autograd kernels call their backward ops: through the dispatcher, so
-// that profiles record te_lab::<op>_backward, as they do on the Python path.
+// How te_lab's C++ autograd kernels call their ops: the backward through the dispatcher, so
+// that profiles record te_lab::<op>_backward, as they do on the Python path; the forward
+// redispatched below autograd (keys_below_autograd), so that dispatch modes (fake tensors,
+// torch.library.opcheck's schema checks) see te_lab::<op>.cpp as one op.
 
 #pragma once
 
@@ -12,6 +14,13 @@ namespace te_lab_cpu {
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> cpp_overload(const char* name, const char* overload = "cpp") {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload).typed<Fn>();
+}
+
+// The keys an autograd kernel, given the keys it was called with (its first argument),
+// redispatches its op with to run below autograd, as PyTorch's own autograd kernels do: a
+// redispatch makes no second profiler record of the op, and dispatch modes see it.
+inline c10::DispatchKeySet keys_below_autograd(c10::DispatchKeySet keys) {
+  return keys & c10::after_ADInplaceOrView_keyset;
 }
 
 }  // namespace te_lab_cpu

@@ -143,9 +143,11 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const Tensor& gate, c
 class GluFunction : public torch::autograd::Function<GluFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& gate, const std::optional<Tensor>& up,
-                        c10::string_view activation) {
+                        c10::string_view activation, c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    Tensor y = glu_forward(gate, up, activation);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::glu.cpp.
+    static const auto op = cpp_overload<decltype(glu_forward)>("te_lab::glu");
+    Tensor y = op.redispatch(keys_below_autograd(keys), gate, up, activation);
     const bool has_up = up.has_value() && up->defined();
     ctx->save_for_backward({gate, has_up ? *up : Tensor()});
     ctx->saved_data["activation"] = std::string(activation);
@@ -156,12 +158,12 @@ class GluFunction : public torch::autograd::Function<GluFunction> {
     const auto saved = ctx->get_saved_variables();
     const std::optional<Tensor> up = saved[1].defined() ? std::optional<Tensor>(saved[1]) : std::nullopt;
     auto [dgate, dup] = call_backward(grads[0], saved[0], up, ctx->saved_data["activation"].toStringRef());
-    return {dgate, up.has_value() ? dup : Tensor(), Tensor()};
+    return {dgate, up.has_value() ? dup : Tensor(), Tensor(), Tensor()};
   }
 };
 
-Tensor glu_autograd(const Tensor& gate, const std::optional<Tensor>& up, c10::string_view activation) {
-  return GluFunction::apply(gate, up, activation);
+Tensor glu_autograd(c10::DispatchKeySet keys, const Tensor& gate, const std::optional<Tensor>& up, c10::string_view activation) {
+  return GluFunction::apply(gate, up, activation, keys);
 }
 
 }  // namespace

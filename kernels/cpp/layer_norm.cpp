@@ -55,9 +55,9 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const s
                                                      rstd.view({-1, 1}), in_dtype(weight, acc), in_dtype(bias, acc),
                                                      {true, need_dw, need_db});
   if (given(dh)) dx.add_(*dh);
-  const Tensor empty = at::empty({0}, h.options());
-  return {dx.to(h.scalar_type()), need_dw ? dw.to(weight->scalar_type()) : empty,
-          need_db ? db.to(bias->scalar_type()) : empty};
+  // an empty tensor each for gradients not asked for: outputs never alias (the schema says so)
+  return {dx.to(h.scalar_type()), need_dw ? dw.to(weight->scalar_type()) : at::empty({0}, h.options()),
+          need_db ? db.to(bias->scalar_type()) : at::empty({0}, h.options())};
 }
 
 std::tuple<Tensor, Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<Tensor>& dh, const Tensor& h,
@@ -72,9 +72,12 @@ std::optional<Tensor> saved(const Tensor& t) { return t.defined() ? std::optiona
 class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& residual,
-                               const std::optional<Tensor>& weight, const std::optional<Tensor>& bias, double eps) {
+                               const std::optional<Tensor>& weight, const std::optional<Tensor>& bias, double eps,
+                               c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, h, mean, rstd] = layer_norm_forward(x, residual, weight, bias, eps);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::layer_norm.cpp.
+    static const auto op = cpp_overload<decltype(layer_norm_forward)>("te_lab::layer_norm");
+    auto [y, h, mean, rstd] = op.redispatch(keys_below_autograd(keys), x, residual, weight, bias, eps);
     const bool has_residual = given(residual);
     ctx->save_for_backward({has_residual ? h : x, given(weight) ? *weight : Tensor(), given(bias) ? *bias : Tensor(),
                             mean, rstd});
@@ -95,14 +98,14 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h);
     const std::optional<Tensor> dh = has_residual && grads[1].defined() ? std::optional<Tensor>(grads[1]) : std::nullopt;
     auto [dx, dw, db] = call_backward(dy, dh, h, saved(s[1]), saved(s[2]), s[3], s[4], need_dw, need_db);
-    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), need_db ? db : Tensor(), Tensor()};
+    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), need_db ? db : Tensor(), Tensor(), Tensor()};
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& x, const std::optional<Tensor>& residual,
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(c10::DispatchKeySet keys, const Tensor& x, const std::optional<Tensor>& residual,
                                                                const std::optional<Tensor>& weight,
                                                                const std::optional<Tensor>& bias, double eps) {
-  auto outputs = LayerNormFunction::apply(x, residual, weight, bias, eps);
+  auto outputs = LayerNormFunction::apply(x, residual, weight, bias, eps, keys);
   return {outputs[0], outputs[1], outputs[2], outputs[3]};
 }
 

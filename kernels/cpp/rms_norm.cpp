@@ -192,9 +192,12 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<T
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& residual,
-                               const std::optional<Tensor>& weight, double eps, double weight_offset) {
+                               const std::optional<Tensor>& weight, double eps, double weight_offset,
+                               c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, h, rstd] = rms_norm_forward(x, residual, weight, eps, weight_offset);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::rms_norm.cpp.
+    static const auto op = cpp_overload<decltype(rms_norm_forward)>("te_lab::rms_norm");
+    auto [y, h, rstd] = op.redispatch(keys_below_autograd(keys), x, residual, weight, eps, weight_offset);
     const bool has_residual = residual.has_value() && residual->defined();
     ctx->save_for_backward({has_residual ? h : x, weight.has_value() ? *weight : Tensor(), rstd});
     ctx->saved_data["has_residual"] = has_residual;
@@ -215,14 +218,14 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const std::optional<Tensor> dh =
         has_residual && grads[1].defined() ? std::optional<Tensor>(grads[1]) : std::nullopt;
     auto [dx, dw] = call_backward(dy, dh, h, weight, saved[2], ctx->saved_data["weight_offset"].toDouble(), need_dw);
-    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor()};
+    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(const Tensor& x, const std::optional<Tensor>& residual,
+std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(c10::DispatchKeySet keys, const Tensor& x, const std::optional<Tensor>& residual,
                                                      const std::optional<Tensor>& weight, double eps,
                                                      double weight_offset) {
-  auto outputs = RmsNormFunction::apply(x, residual, weight, eps, weight_offset);
+  auto outputs = RmsNormFunction::apply(x, residual, weight, eps, weight_offset, keys);
   return {outputs[0], outputs[1], outputs[2]};
 }
 

@@ -139,6 +139,13 @@ bool follows_other_layout(const Tensor& q, const Tensor& k) {
          k.transpose(1, 2).is_contiguous();
 }
 
+// Refuses another device's memory, naming the devices given.
+void check_on_cpu(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  TORCH_CHECK_VALUE(q.is_cpu() && k.is_cpu() && cos.is_cpu() && sin.is_cpu(),
+                    "rope: q, k, cos and sin must be on the CPU, got ", q.device(), ", ", k.device(), ", ",
+                    cos.device(), " and ", sin.device());
+}
+
 std::tuple<Tensor, Tensor> rotate(const Tensor& q_in, const Tensor& k_in, const Tensor& cos, const Tensor& sin,
                                   bool interleaved, c10::string_view layout, bool transposed) {
   TORCH_CHECK_VALUE(layout == "bhsd" || layout == "bshd", "rope: layout must be 'bhsd' or 'bshd', got '",
@@ -146,9 +153,7 @@ std::tuple<Tensor, Tensor> rotate(const Tensor& q_in, const Tensor& k_in, const 
   TORCH_CHECK_VALUE(q_in.dim() == 4 && k_in.dim() == 4, "rope: q and k must have 4 dims, got ", q_in.sizes(), " and ",
                     k_in.sizes());
   TORCH_CHECK_VALUE(q_in.scalar_type() == k_in.scalar_type(), "rope: k must have q's dtype");
-  TORCH_CHECK_VALUE(q_in.is_cpu() && k_in.is_cpu() && cos.is_cpu() && sin.is_cpu(),
-                    "rope: q, k, cos and sin must be on the CPU, got ", q_in.device(), ", ", k_in.device(), ", ",
-                    cos.device(), " and ", sin.device());
+  check_on_cpu(q_in, k_in, cos, sin);
   // Rows are walked in memory order: in the other layout's dims where q and k follow it.
   const bool other = follows_other_layout(q_in, k_in);
   const bool seq_is_d2 = (layout == "bhsd") != other;
@@ -187,9 +192,12 @@ std::tuple<Tensor, Tensor> call_backward(const Tensor& dq, const Tensor& dk, con
 class RopeFunction : public torch::autograd::Function<RopeFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& cos,
-                               const Tensor& sin, bool interleaved, c10::string_view layout) {
+                               const Tensor& sin, bool interleaved, c10::string_view layout,
+                               c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [q_out, k_out] = rope_forward(q, k, cos, sin, interleaved, layout);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::rope.cpp.
+    static const auto op = cpp_overload<decltype(rope_forward)>("te_lab::rope");
+    auto [q_out, k_out] = op.redispatch(keys_below_autograd(keys), q, k, cos, sin, interleaved, layout);
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["layout"] = std::string(layout);
@@ -201,13 +209,14 @@ class RopeFunction : public torch::autograd::Function<RopeFunction> {
     auto [dq, dk] = call_backward(grads[0], grads[1], saved[0], saved[1], ctx->saved_data["interleaved"].toBool(),
                                   ctx->saved_data["layout"].toStringRef());
     // cos and sin are constants of the model (functions of positions), never trained.
-    return {dq, dk, Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dq, dk, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
-std::tuple<Tensor, Tensor> rope_autograd(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
+std::tuple<Tensor, Tensor> rope_autograd(c10::DispatchKeySet keys, const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
                                          bool interleaved, c10::string_view layout) {
-  auto outputs = RopeFunction::apply(q, k, cos, sin, interleaved, layout);
+  check_on_cpu(q, k, cos, sin);  // before the redispatch, which would pick another device's kernel
+  auto outputs = RopeFunction::apply(q, k, cos, sin, interleaved, layout, keys);
   return {outputs[0], outputs[1]};
 }
 
