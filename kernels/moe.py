@@ -29,8 +29,11 @@ columns (``interleaved=True``: gpt-oss). Activations: ``silu`` / ``gelu`` / ``ge
 gate ``act(gate) * up``; ``clamped_swiglu`` is gpt-oss's
 ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``.
 
-GEMMs run in the input dtype with float32 accumulation (as ``F.linear`` does); the
-activation and the weighted sum are computed in float32 (float64 for float64).
+Half-precision inputs are computed as Hugging Face's experts compute them, so that a twin
+reproduces a bf16 block where expert outputs cancel: GEMMs in the input dtype with float32
+accumulation, the gated activation op by op in the input dtype, each weighted expert output
+in the dtype of ``y * weight``, the k of a token summed in float32. The backward computes
+the activation's gradient in float32 (float64 for float64).
 Backends: ``cpp`` (kernels/cpp/moe.cpp: permutation and a loop over experts in C++
 calling ATen's GEMMs on each expert's slice, forward and backward one call each, autograd
 in C++), ``triton`` (grouped GEMM kernels that find their expert from the per-expert
@@ -49,7 +52,7 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATIONS, activate, activation_grad
-from .autocast import LIKE_LINEAR, register_autocast_rule
+from .autocast import register_autocast_rule
 from .checks import check_choice, check_tensor
 from .costs.moe import COSTS
 from .custom_ops import custom_op
@@ -104,13 +107,15 @@ def _halves(h: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
 
 
 def _gated(h: Tensor, interleaved: bool, activation: str, alpha: float, limit: float) -> Tensor:
-    """The gated activation of pre-activations ``h`` [rows, 2I], in the compute dtype, cast back."""
-    gate, up = (half.to(compute_dtype(h)) for half in _halves(h, interleaved))
+    """The gated activation of pre-activations ``h`` [rows, 2I], op by op in h's dtype as
+    Hugging Face's experts compute it (in bfloat16, each step rounded: a probe of a bf16 block
+    against a single rounding in float32 misses where the expert outputs cancel)."""
+    gate, up = _halves(h, interleaved)
     if activation == CLAMPED_SWIGLU:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).to(h.dtype)
-    return (activate(activation, gate) * up).to(h.dtype)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return activate(activation, gate) * up
 
 
 def _gated_backward(da: Tensor, h: Tensor, interleaved: bool, activation: str, alpha: float,
@@ -142,10 +147,17 @@ def _permutation(indices: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor]
     return order, order // indices.shape[-1], counts
 
 
-def _unpermute(y: Tensor, row_weights: Tensor, tokens: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
+def _weighted(y: Tensor, weights: Tensor) -> Tensor:
+    """Each expert output times its routing weight, in the dtype ``y * weights`` has (bfloat16
+    for bfloat16 weights, float32 for float32 ones), as Hugging Face's experts compute it
+    before summing; returned in the compute dtype, where the k of a token are summed."""
     acc = compute_dtype(y)
-    out = torch.zeros((n_tokens, y.shape[-1]), dtype=acc, device=y.device)
-    return out.index_add_(0, tokens, y.to(acc) * row_weights.to(acc)[:, None]).to(dtype)
+    return (y.to(acc) * weights.to(acc)[:, None]).to(torch.result_type(y, weights)).to(acc)
+
+
+def _unpermute(y: Tensor, row_weights: Tensor, tokens: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
+    out = torch.zeros((n_tokens, y.shape[-1]), dtype=compute_dtype(y), device=y.device)
+    return out.index_add_(0, tokens, _weighted(y, row_weights)).to(dtype)
 
 
 def moe_experts_reference(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
@@ -154,14 +166,13 @@ def moe_experts_reference(x: Tensor, weights: Tensor, indices: Tensor, gate_up: 
                           alpha: float = DEFAULT_ALPHA, limit: float = DEFAULT_LIMIT) -> Tensor:
     """The experts' unfused math, expert by expert as Hugging Face's eager loop runs it
     (autograd takes its backward): the truth :func:`moe_experts` is tested against."""
-    acc = compute_dtype(x)
-    out = torch.zeros(x.shape, dtype=acc, device=x.device)
+    out = torch.zeros(x.shape, dtype=compute_dtype(x), device=x.device)
     for expert in range(gate_up.shape[0]):
         token, slot = torch.where(indices == expert)
         bias = None if gate_up_bias is None else gate_up_bias[expert]
         a = _gated(_project(x[token], gate_up[expert], bias, transposed), interleaved, activation, alpha, limit)
         y = _project(a, down[expert], None if down_bias is None else down_bias[expert], transposed)
-        out = out.index_add(0, token, y.to(acc) * weights[token, slot, None].to(acc))
+        out = out.index_add(0, token, _weighted(y, weights[token, slot]))
     return out.to(x.dtype)
 
 
@@ -537,8 +548,9 @@ def _backward(ctx, dout, _dh, _dy):
 
 
 _moe_op.register_autograd(_backward, setup_context=_setup_context)
-# The experts' GEMMs are F.linear in model code: under autocast they run in the region's dtype.
-register_autocast_rule("moe", LIKE_LINEAR)
+# Hugging Face's default experts (grouped_mm) are on no autocast list: under autocast they
+# compute in the weights' dtype, and so does this op (in its inputs' dtypes).
+register_autocast_rule("moe")
 register_autocast_rule("moe_backward")
 
 
@@ -617,7 +629,7 @@ def moe_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, do
     """The experts of an MoE block, fused: ``x`` [tokens, hidden], each token's top-k routing
     ``weights`` and expert ``indices`` [tokens, top_k] (int64), expert weights ``gate_up``
     and ``down`` (layouts, biases and activations in the module doc) -> [tokens, hidden].
-    The result has ``x``'s dtype (under autocast too, as Hugging Face's experts return it).
+    Under autocast it computes in its inputs' dtypes, as Hugging Face's grouped_mm experts do.
     Gradients flow to ``x``, ``weights``, the expert weights and biases. ``backend`` forces
     ``"cpp"``, ``"inductor"``, ``"triton"`` or ``"reference"``."""
     _check_experts(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed, interleaved,
@@ -629,9 +641,7 @@ def moe_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, do
                                      alpha=alpha, limit=limit)
     out, _, _ = _moe_op(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed,
                         interleaved, activation, float(alpha), float(limit), chosen)
-    # Under autocast the GEMMs ran in the region's dtype; the block's output keeps x's, as
-    # Hugging Face's experts (which sum into zeros_like(x)) return it.
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return out
 
 
 def moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int, routing: str = "softmax_topk",

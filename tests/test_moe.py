@@ -101,13 +101,23 @@ def test_inductor_matches_the_reference(dtype, layout):
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "inductor"])
-def test_half_precision_within_its_tolerance(backend):
+def test_half_precision_within_twice_the_references_error(backend):
+    """Against the float64 truth, docs/design.md's GPU-check rule: at most twice the error
+    of the reference in the same dtype, plus the dtype's tolerance at the largest value. (With
+    gpt-oss's clamps a pre-activation one rounding from the limit takes the other side of the
+    clamp's gradient in either computation; fused and reference miss the truth alike there.)"""
     for dtype in (torch.float16, torch.bfloat16):
-        got, want = _run(moe, _case(dtype, "gpt-oss"), "gpt-oss", backend=backend), \
-            _run(moe_reference, _case(dtype, "gpt-oss"), "gpt-oss")
-        for a, b in zip(got, want):
-            assert a.dtype == b.dtype
-            assert_normwise(a, b, dtype, backend)
+        for layout in LAYOUTS:
+            got = _run(moe, _case(dtype, layout), layout, backend=backend)
+            want = _run(moe_reference, _case(dtype, layout), layout)
+            truth = _run(moe_reference, _case(torch.float64, layout), layout)
+            for a, b, c in zip(got, want, truth):
+                assert a.dtype == b.dtype == dtype
+                fused_error = float((a.detach().double() - c.detach()).abs().max())
+                reference_error = float((b.detach().double() - c.detach()).abs().max())
+                tolerance = TOLERANCES[dtype]
+                budget = 2 * reference_error + tolerance["atol"] + tolerance["rtol"] * float(c.detach().abs().max())
+                assert fused_error <= budget, (dtype, layout, fused_error, reference_error)
 
 
 def test_clamped_swiglu_clamps_are_active_and_match_gpt_oss_math():
@@ -159,18 +169,14 @@ def test_each_routing_through_the_fused_op_matches_the_reference(routing):
         assert_normwise(a, b, torch.float64)
 
 
-def test_autocast_bf16_runs_the_gemms_in_bf16_and_returns_x_dtype():
-    tensors = _case(torch.float32, "linear-silu")
+def test_under_autocast_the_op_computes_in_its_inputs_dtype():
+    """As Hugging Face's default (grouped_mm) experts, which are on no autocast list."""
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        got = _run(moe, tensors, "linear-silu", backend="cpp")
-        want = _run(moe_reference, _case(torch.float32, "linear-silu"), "linear-silu")
-    exact = _run(moe_reference, _case(torch.float32, "linear-silu"), "linear-silu")
-    assert got[0].dtype == want[0].dtype == torch.float32
+        got = _run(moe, _case(torch.float32, "linear-silu"), "linear-silu", backend="cpp")
+    want = _run(moe_reference, _case(torch.float32, "linear-silu"), "linear-silu")
     for a, b in zip(got, want):
-        assert a.dtype == b.dtype
-        assert_normwise(a, b, torch.bfloat16)
-    # bf16 GEMMs, not float32 ones: the result is off the float32 one by bf16 rounding.
-    assert float((got[0] - exact[0]).abs().max()) > 1e-4
+        assert a.dtype == b.dtype == torch.float32
+        assert_normwise(a, b, torch.float32)
 
 
 @pytest.mark.slow

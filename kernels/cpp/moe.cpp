@@ -124,17 +124,19 @@ Tensor activate(const Tensor& x, const std::string& activation) {
   return at::gelu(x, activation == "gelu_tanh" ? "tanh" : "none");
 }
 
+// The gated activation, op by op in h's dtype as Hugging Face's experts compute it (see
+// kernels/moe.py); float32 and float64 concatenated halves run on te_lab::glu's kernel.
 Tensor gated(const Tensor& h, const Options& o) {
-  if (!o.interleaved && !o.clamped()) {
+  const bool full_precision = h.scalar_type() == at::kFloat || h.scalar_type() == at::kDouble;
+  if (!o.interleaved && !o.clamped() && full_precision) {
     static const auto glu = cpp_overload<Tensor(const Tensor&, const std::optional<Tensor>&, c10::string_view)>(
         "te_lab::glu");
     return glu.call(h, std::nullopt, o.activation);
   }
-  auto [gate_half, up_half] = halves(h, o.interleaved);
-  const Tensor gate = gate_half.to(compute_type(h)), up = up_half.to(compute_type(h));
-  if (!o.clamped()) return (activate(gate, o.activation) * up).to(h.scalar_type());
+  auto [gate, up] = halves(h, o.interleaved);
+  if (!o.clamped()) return activate(gate, o.activation) * up;
   const Tensor g = gate.clamp_max(o.limit), u = up.clamp(-o.limit, o.limit);
-  return ((u + 1) * (g * at::sigmoid(g * o.alpha))).to(h.scalar_type());
+  return (u + 1) * (g * at::sigmoid(g * o.alpha));
 }
 
 // dh [R, 2I] in h's layout from da [R, I].
@@ -184,7 +186,8 @@ std::tuple<Tensor, Tensor, Tensor> moe_forward(const Tensor& x_in, const Tensor&
   const at::ScalarType acc = compute_type(x);
   const Tensor row_weights = weights.reshape({-1}).index_select(0, p.order).to(acc);
   Tensor out = at::zeros(x.sizes(), x.options().dtype(acc));
-  out.index_add_(0, p.tokens, y.to(acc) * row_weights.unsqueeze(1));
+  // Each weighted expert output in the dtype of y * weight (as Hugging Face's experts), summed in acc.
+  out.index_add_(0, p.tokens, (y.to(acc) * row_weights.unsqueeze(1)).to(at::result_type(y, weights)).to(acc));
   return {out.to(x.scalar_type()), h, y};
 }
 

@@ -61,9 +61,12 @@ class FusedMoE(FusedModule):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         _, weights, indices = self._modules[self.router_name](x)
         gate_up, down, gate_up_bias, down_bias = self.expert_parameters()
-        out = moe_experts(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed=self.transposed,
-                          interleaved=self.interleaved, activation=self.activation, alpha=self.alpha,
-                          limit=self.limit, backend=self.backend_for(MOE)).view(hidden_states.shape)
+        # The experts compute in their weights' dtype and return the hidden states' (as Hugging
+        # Face's grouped_mm experts do, under autocast too).
+        out = moe_experts(x.to(gate_up.dtype), weights, indices, gate_up, down, gate_up_bias, down_bias,
+                          transposed=self.transposed, interleaved=self.interleaved, activation=self.activation,
+                          alpha=self.alpha, limit=self.limit, backend=self.backend_for(MOE))
+        out = out.to(hidden_states.dtype).view(hidden_states.shape)
         if self.recording_load:
             self._count(indices, gate_up.shape[0])
         if self.shared_name is not None:

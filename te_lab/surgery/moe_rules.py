@@ -13,10 +13,11 @@ A candidate has no parameters or buffers of its own and two or three children:
 - optionally a shared expert: any other child with parameters, added to the output.
 
 The weights' layout (as ``nn.Linear`` weights, or transposed) follows from the shapes;
-whether gate and up are the two halves or interleaved columns, and whether the block
-returns the router's weights next to its output (gpt-oss), the shapes do not say: the
-attributes Hugging Face's experts carry (``is_transposed``, ``is_concatenated``) choose the
-first variant tried, and the probe picks the one that reproduces the block.
+whether the block returns the router's weights next to its output (gpt-oss) from one call
+of the block on a small random input; whether gate and up are the two halves or
+interleaved columns the shapes do not say: the attributes Hugging Face's experts carry
+(``is_transposed``, ``is_concatenated``) choose the first variant tried, and the probe
+picks the one that reproduces the block.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def _router_returns_top_k(router: nn.Module, experts: int, hidden: int) -> Optio
         return (f"it returns tensors of shapes {[tuple(t.shape) for t in output]}, not [tokens, experts] logits and "
                 f"[tokens, top_k] weights and int64 indices")
     return None
+
+
+def _returns_router_scores(module: nn.Module, hidden: int) -> Optional[bool]:
+    """Whether the block returns ``(out, top-k weights)`` (gpt-oss) rather than ``out``, from
+    one call on a small random input; None when it returns neither."""
+    try:
+        with torch.no_grad(), silenced(module):
+            output = module(random_tensor((1, 2, hidden), module))
+    except Exception:  # noqa: BLE001 - the probe will say what is wrong with the block
+        return None
+    if isinstance(output, torch.Tensor):
+        return False
+    return True if isinstance(output, tuple) and len(output) == 2 else None
 
 
 def _activation(experts: nn.Module) -> tuple[Optional[str], float, float, str]:
@@ -145,17 +159,20 @@ def match_moe(module: nn.Module) -> MatchResult:
     refusal = _router_returns_top_k(module._modules[router_name], n_experts, hidden)
     if refusal is not None:
         return Skip(f"its router {router_name} is not one the fused block can call: {refusal}")
+    scores = _returns_router_scores(module, hidden)
+    if scores is None:
+        return Skip("its output is neither the hidden states nor (hidden states, router scores)")
     declared_concatenated = getattr(experts_module, "is_concatenated", True)
     interleavings = sorted((False, True), key=lambda value: value == bool(declared_concatenated))
     shared = others[0] if others else None
     variants = [
-        Variant(lambda o, transposed=transposed, interleaved=interleaved, scores=scores: FusedMoE(
+        Variant(lambda o, transposed=transposed, interleaved=interleaved: FusedMoE(
             module, router=router_name, experts=experts_name, shared=shared, transposed=transposed,
             interleaved=interleaved, activation=activation, alpha=alpha, limit=limit, returns_router_scores=scores,
             backend=o.backend),
             note=f"{'transposed' if transposed else 'linear'} weights, {'interleaved' if interleaved else 'halved'} "
                  f"gate-up{', returns router scores' if scores else ''}")
-        for scores, transposed, interleaved in itertools.product((False, True), layouts, interleavings)
+        for transposed, interleaved in itertools.product(layouts, interleavings)
     ]
     return Match(variants, lambda: ProbeInputs((random_tensor(PROBE_SHAPE + (hidden,), module),)))
 
