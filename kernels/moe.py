@@ -152,7 +152,7 @@ def _weighted(y: Tensor, weights: Tensor) -> Tensor:
     for bfloat16 weights, float32 for float32 ones), as Hugging Face's experts compute it
     before summing; returned in the compute dtype, where the k of a token are summed."""
     acc = compute_dtype(y)
-    return (y.to(acc) * weights.to(acc)[:, None]).to(torch.result_type(y, weights)).to(acc)
+    return (y.to(acc) * weights.to(acc)[:, None]).to(torch.promote_types(y.dtype, weights.dtype)).to(acc)
 
 
 def _unpermute(y: Tensor, row_weights: Tensor, tokens: Tensor, n_tokens: int, dtype: torch.dtype) -> Tensor:
