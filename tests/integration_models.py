@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from real_like import make_real_like
+from te_lab.models.real_like import make_real_like
 
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 128, 64, 128, 2, 4, 2
 EXAMPLES, SEQ = 8, 16

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from real_like import make_real_like
 from te_lab import ProfileReport
 from te_lab.cli import main
 from te_lab.models import CheckpointError, build_model, load_checkpoint
+from te_lab.models.real_like import make_real_like
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import te_lab
-from real_like import make_real_like
 from te_lab.kernels.precision import error_budget
+from te_lab.models.real_like import make_real_like
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import te_lab
-from real_like import make_real_like
+from te_lab.models.real_like import make_real_like
 from te_lab.modules import FusedAttention, FusedGatedMLP, FusedMLP, FusedQKVAttention
 from te_lab.modules.linear_like import has_linear_weight, in_out_features, is_linear_like
 

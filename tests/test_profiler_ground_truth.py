@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import te_lab
-from real_like import make_real_like
 from te_lab import models
+from te_lab.models.real_like import make_real_like
 
 TOLERANCE = 0.10
 ALONE_ROUNDS = 40

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import te_lab
-from real_like import largest_activation, make_real_like
+from te_lab.models.real_like import largest_activation, make_real_like
 
 transformers = pytest.importorskip("transformers")
 
