@@ -166,15 +166,8 @@ def _record(name, backend):
     return recorder.calls
 
 
-# Known failures whose fixes lie in files this test does not own, with what fails.
-KNOWN_FAILURES = {
-    ("moe", "cpp"): "kernels/cpp/moe.cpp's autograd kernel calls moe_forward directly instead of "
-                    "redispatching te_lab::moe.cpp below autograd (keys_below_autograd in dispatched.h, "
-                    "as the other C++ ops do), so the schema check sees ATen ops there return their inputs",
-    ("moe", "inductor"): "under a TorchDispatchMode, kernels/moe.py's inductor backend falls back to "
-                         "torch.compile, which stops at torch.result_type in _weighted (Dynamo: 'torch.* op "
-                         "returned non-Tensor')",
-}
+# Known failures whose fixes lie in files this test does not own, with what fails (none now).
+KNOWN_FAILURES: dict = {}
 
 
 def _params():

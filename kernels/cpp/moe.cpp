@@ -218,13 +218,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> moe_backward(
   const Tensor dgate_up = transposed ? grouped_outer(xs, dh, p.offsets) : grouped_outer(dh, xs, p.offsets);
   Tensor dx = at::zeros(x.sizes(), x.options().dtype(acc));
   dx.index_add_(0, p.tokens, dxs.to(acc));
-  const Tensor empty = at::empty({0}, x.options());
+  // Two absent biases get two empty tensors: outputs of an op must not alias each other.
   return {dx.to(x.scalar_type()),
           dweights,
           dgate_up,
           ddown,
-          given(gate_up_bias) ? segment_sums(dh, p.experts, n_experts, gate_up_bias->scalar_type()) : empty,
-          given(down_bias) ? segment_sums(dy, p.experts, n_experts, down_bias->scalar_type()) : empty};
+          given(gate_up_bias) ? segment_sums(dh, p.experts, n_experts, gate_up_bias->scalar_type())
+                              : at::empty({0}, x.options()),
+          given(down_bias) ? segment_sums(dy, p.experts, n_experts, down_bias->scalar_type())
+                           : at::empty({0}, x.options())};
 }
 
 std::optional<Tensor> saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
@@ -234,10 +236,12 @@ class MoeFunction : public torch::autograd::Function<MoeFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weights, const Tensor& indices,
                                const Tensor& gate_up, const Tensor& down, const std::optional<Tensor>& gate_up_bias,
                                const std::optional<Tensor>& down_bias, bool transposed, bool interleaved,
-                               c10::string_view activation, double alpha, double limit) {
+                               c10::string_view activation, double alpha, double limit, c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, h, y] = moe_forward(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed,
-                                   interleaved, activation, alpha, limit);
+    // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::moe.cpp.
+    static const auto op = cpp_overload<decltype(moe_forward)>("te_lab::moe");
+    auto [out, h, y] = op.redispatch(keys_below_autograd(keys), x, weights, indices, gate_up, down, gate_up_bias,
+                                     down_bias, transposed, interleaved, activation, alpha, limit);
     ctx->save_for_backward({x, weights, indices, gate_up, down, given(gate_up_bias) ? *gate_up_bias : Tensor(),
                             given(down_bias) ? *down_bias : Tensor(), h, y});
     ctx->saved_data["transposed"] = transposed;
@@ -269,18 +273,20 @@ class MoeFunction : public torch::autograd::Function<MoeFunction> {
             Tensor(),
             Tensor(),
             Tensor(),
+            Tensor(),
             Tensor()};
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> moe_autograd(const Tensor& x, const Tensor& weights, const Tensor& indices,
+std::tuple<Tensor, Tensor, Tensor> moe_autograd(c10::DispatchKeySet keys, const Tensor& x, const Tensor& weights,
+                                                const Tensor& indices,
                                                 const Tensor& gate_up, const Tensor& down,
                                                 const std::optional<Tensor>& gate_up_bias,
                                                 const std::optional<Tensor>& down_bias, bool transposed,
                                                 bool interleaved, c10::string_view activation, double alpha,
                                                 double limit) {
   auto outputs = MoeFunction::apply(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed,
-                                    interleaved, activation, alpha, limit);
+                                    interleaved, activation, alpha, limit, keys);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
