@@ -13,7 +13,7 @@ from torch import nn
 
 import te_lab
 from conftest import DEVICE, TOLERANCES
-from real_like import largest_activation, make_real_like
+from te_lab.models.real_like import largest_activation, make_real_like
 from te_lab.modules import FusedMoE, expert_load, imbalance, record_expert_load
 
 transformers = pytest.importorskip("transformers")
