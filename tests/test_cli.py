@@ -16,7 +16,8 @@ from te_lab import ProfileReport, device as devices
 from te_lab.benchmarks.schema import SCHEMA_ID
 from te_lab.cli import build_parser, main
 from te_lab.cli.lab import checkout_notebooks, jupyter_command
-from te_lab.kernels import cpu_kernels, registered_ops, select_backend
+from te_lab.kernels import available_backends, cpu_kernels, registered_ops, select_backend
+from te_lab.kernels.registry import describe_backend
 
 REPO = Path(__file__).resolve().parent.parent
 TE_LAB = Path(sys.executable).parent / "te-lab"
@@ -108,7 +109,13 @@ def test_info_lists_devices_backends_triton_and_versions(tmp_path):
     default = devices.default_device()
     assert f"(default {default}: " in result.stdout
     for name, op in registered_ops().items():
-        assert f"\n  {name}: {select_backend(op, default)}" in result.stdout
+        # The automatic choice; on the CPU an op that measures its backends names those it chooses among.
+        assert f"\n  {name}: {describe_backend(op, default)}" in result.stdout
+        assert select_backend(op, default) in describe_backend(op, default)
+    if default.type == "cpu" and "native" in available_backends(registered_ops()["linear"], default):
+        # linear takes oneDNN (native) or F.linear (reference), whichever measured faster per class of sizes
+        assert ("\n  linear: native or reference, whichever measured faster here for the sizes (also: native)\n"
+                in result.stdout)
     assert f"triton backend on {default.type}: " in result.stdout
     assert f"cpp backend on cpu: built in {cpu_kernels.build_directory()}\n" in result.stdout
     assert "versions: torch 2." in result.stdout and "torch_musa " in result.stdout

@@ -11,7 +11,8 @@ nbformat = pytest.importorskip("nbformat")  # the Triton 3.2 test environment ha
 nbclient = pytest.importorskip("nbclient")
 
 from conftest import DEVICE  # noqa: E402
-from te_lab.kernels import registered_ops, select_backend  # noqa: E402
+from te_lab.kernels import registered_ops  # noqa: E402
+from te_lab.kernels.registry import describe_backend  # noqa: E402
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 NUMBER = r"([-+0-9.e]+)"
@@ -88,7 +89,7 @@ def check_custom_fusion(text: str) -> None:
 def check_musa_and_gpus(text: str) -> None:
     assert f"default device: {DEVICE} (" in text
     for name, op in registered_ops().items():
-        assert f"\n  {name}: {select_backend(op, DEVICE)}" in text
+        assert f"\n  {name}: {describe_backend(op, DEVICE)}" in text
     assert "MTT S4000: 768 GB/s" in text
     assert number_after("max abs diff against the reference", text) <= 1e-2
     if DEVICE.type == "cpu":
