@@ -253,6 +253,7 @@ def test_show_prints_the_summary_without_a_widget_frontend(capsys):
 def test_show_in_a_notebook_draws_the_timeline_figures_and_kernels(monkeypatch):
     pytest.importorskip("ipywidgets")
     from te_lab.widgets import trace_view
+    from te_lab.widgets.plots import PLOTLY_MIME
 
     shown = []
     monkeypatch.setattr(trace_view, "widget_frontend_available", lambda: True)
@@ -263,9 +264,12 @@ def test_show_in_a_notebook_draws_the_timeline_figures_and_kernels(monkeypatch):
     header, tabs = box.children
     timeline, figures, kernels = tabs.children
     assert [tabs.get_title(i) for i in range(3)] == ["Timeline", "Figures", "Kernels"]
+    # the timeline is a Plot: one output holding the figure's JSON under plotly's MIME type
+    (output,) = timeline.outputs
+    bars = output["data"][PLOTLY_MIME]["data"]
     # one horizontal bar per device activity, split into traces by phase
-    assert sum(len(bar.x) for bar in timeline.data) == len(trace.kernels)
-    assert {bar.name for bar in timeline.data} == {"forward", "backward", "optimizer"}
+    assert sum(len(bar["x"]) for bar in bars) == len(trace.kernels)
+    assert {bar["name"] for bar in bars} == {"forward", "backward", "optimizer"}
     assert "ProfilerStep#1" in figures.value and "Cijk_Alik_Bljk" in kernels.value
 
 
