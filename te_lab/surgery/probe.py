@@ -351,10 +351,11 @@ def _float64_truth(original: Callable, inputs: ProbeInputs, constant: frozenset,
     """Outputs and gradients of ``original`` run in float64 (see :mod:`.truth`), or
     ``(None, None, why not)``."""
     try:
-        with float64_run(roots):
+        with float64_run(roots) as stand_in:
             wide = ProbeInputs(to_float64(inputs.args), to_float64(inputs.kwargs))
             prepared, names = prepare(original, wide, constant)
-            outputs, grads = forward_backward(original, prepared, names, parameters, select)
+            wide_parameters = [(name, stand_in(parameter)) for name, parameter in parameters]
+            outputs, grads = forward_backward(original, prepared, names, wide_parameters, select)
     except Exception as error:  # noqa: BLE001 - the verdict falls back to comparing with the original
         return None, None, f"the original does not run in float64 ({type(error).__name__}: {error})"
     return [t.detach() for t in outputs], [None if g is None else g.detach() for g in grads], ""

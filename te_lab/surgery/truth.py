@@ -7,20 +7,23 @@ original a third time with its parameters, buffers and floating inputs in float6
 measures each side's error against that run (:func:`te_lab.kernels.precision.error_budget`
 says how much the twin may have).
 
-:func:`float64_run` holds the module's parameters and buffers in float64 by swapping each
-tensor's ``.data`` (the Parameter objects, which a fused twin shares, stay the same and are
-put back bit for bit) and, through a ``TorchFunctionMode``, keeps casts that the module's
-own code makes to a lower precision (Hugging Face's norms compute in ``.float()``, eager
-attention's softmax in ``dtype=torch.float32``) in float64. Autocast is off inside.
+:func:`float64_run` holds the module's parameters and buffers in float64 by putting
+float64 copies in their place in each module's ``_parameters`` / ``_buffers`` for the block
+(a tensor shared by several modules gets one copy). The original tensors are never touched:
+changing a Parameter's dtype through ``.data``, even and back, drops the autograd node that
+accumulates its gradient, and with it the hooks DDP registered there, so DDP would stop
+all-reducing that gradient. Through a ``TorchFunctionMode`` it also keeps casts that the
+module's own code makes to a lower precision (Hugging Face's norms compute in ``.float()``,
+eager attention's softmax in ``dtype=torch.float32``) in float64. Autocast is off inside.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 _LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -59,20 +62,34 @@ def to_float64(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def float64_run(roots: Sequence[nn.Module]) -> Iterator[None]:
-    """Inside the block, ``roots``' floating parameters and buffers are float64 and so is
-    every floating result their code asks for; afterwards each tensor is its old self."""
-    tensors = {id(t): t for root in roots for t in [*root.parameters(), *root.buffers()] if t.is_floating_point()}
-    saved = [(tensor, tensor.data) for tensor in tensors.values()]
+def float64_run(roots: Sequence[nn.Module]) -> Iterator[Callable[[Tensor], Tensor]]:
+    """Inside the block, ``roots``' floating parameters and buffers are float64 copies (a
+    Parameter's copy is a Parameter that requires grad as it does) and so is every floating
+    result their code asks for. Yields the map from an original tensor to the copy that
+    stands in for it (a tensor the roots do not hold maps to itself), so gradients can be
+    taken with respect to the copies. Afterwards each module holds its own tensors again;
+    the tensors themselves were never changed."""
+    copies: dict[int, Tensor] = {}
+
+    def stand_in(tensor: Tensor) -> Tensor:
+        if id(tensor) not in copies:
+            wide = tensor.detach().to(torch.float64)
+            copies[id(tensor)] = nn.Parameter(wide, tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
+                else wide
+        return copies[id(tensor)]
+
+    modules = list({id(m): m for root in roots for m in root.modules()}.values())
+    replaced = [(store, name, tensor) for module in modules for store in (module._parameters, module._buffers)
+                for name, tensor in store.items() if tensor is not None and tensor.is_floating_point()]
     try:
-        for tensor, data in saved:
-            tensor.data = data.to(torch.float64)
-        device_types = {data.device.type for _, data in saved} or {"cpu"}
+        for store, name, tensor in replaced:
+            store[name] = stand_in(tensor)
+        device_types = {tensor.device.type for _, _, tensor in replaced} or {"cpu"}
         with contextlib.ExitStack() as stack:
             for device_type in device_types:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             stack.enter_context(_KeepFloat64())
-            yield
+            yield lambda tensor: copies.get(id(tensor), tensor)
     finally:
-        for tensor, data in saved:
-            tensor.data = data
+        for store, name, tensor in replaced:
+            store[name] = tensor
