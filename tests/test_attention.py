@@ -94,18 +94,25 @@ def _assert_as_accurate(got, want, exact, dtype, backend):
         f"{got_error=:.3g} from the float64 result; the {dtype} reference's is {want_error:.3g}")
 
 
-def _explicit(q, k, v, causal, mask, scale):
-    """The formula written out once more, in float64, independently of te_lab."""
+def _explicit(q, k, v, causal, mask, scale, sinks=None, softcap=None):
+    """The formula written out once more, in float64, independently of te_lab; with
+    gpt-oss's sinks (one more softmax column whose value is zero) and Gemma 2's capped
+    scores where given."""
     q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores + (mask.double() if mask.is_floating_point()
                            else torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf))
     if causal:
         seq_q, seq_k = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(seq_q, seq_k, dtype=torch.bool).triu(1), -math.inf)
+    if sinks is not None:
+        column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat((scores, column), -1).softmax(-1)[..., :-1] @ v
     return scores.softmax(-1) @ v
 
 
@@ -485,27 +492,6 @@ def test_bad_input_names_the_argument(arguments, error, words):
 # ---- attention sinks and logit soft-capping ----
 
 
-def _explicit_with_sinks_and_softcap(q, k, v, causal, mask, scale, sinks, softcap):
-    """gpt-oss's and Gemma 2's eager formulas, written out in float64 independently of te_lab:
-    capped scores, the sink as one more softmax column whose value is zero."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if mask is not None:
-        scores = scores + (mask.double() if mask.is_floating_point()
-                           else torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, -math.inf))
-    if causal:
-        seq_q, seq_k = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(seq_q, seq_k, dtype=torch.bool).triu(1), -math.inf)
-    if sinks is not None:
-        column = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        return torch.cat((scores, column), -1).softmax(-1)[..., :-1] @ v
-    return scores.softmax(-1) @ v
-
-
 def _run_with_sinks(fn, q, k, v, sinks, **kwargs):
     q, k, v, sinks = (leaf(t) for t in (q, k, v, sinks))
     out = fn(q, k, v, sinks=sinks, **kwargs)
@@ -523,7 +509,7 @@ def test_attention_sinks_match_the_formula_with_a_sink_column(backend, mask_kind
     got = _run_with_sinks(lambda *a, **kw: attention(*a, **kw, backend=backend), q, k, v, sinks,
                           causal=True, mask=mask, scale=0.3)
     want = _run_with_sinks(attention_reference, q, k, v, sinks, causal=True, mask=mask, scale=0.3)
-    exact = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.3, sinks, None)
+    exact = _explicit(q, k, v, True, mask, 0.3, sinks, None)
     torch.testing.assert_close(want[0].double(), exact, rtol=1e-5, atol=1e-6)
     for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         # dsinks sums over every query row of the batch (46 per head): the scale-wise 1e-4 of docs/design.md
@@ -545,8 +531,8 @@ def test_soft_capped_attention_is_the_capped_formula(backend):
     computes it (the fused ones through the reference when chosen automatically)."""
     q, k, v, mask = _inputs(1, 4, 2, 17, 17, 16, "pad-add", torch.float32)
     q = q * 4
-    exact = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.5, None, 20.0)
-    uncapped = _explicit_with_sinks_and_softcap(q, k, v, True, mask, 0.5, None, None)
+    exact = _explicit(q, k, v, True, mask, 0.5, None, 20.0)
+    uncapped = _explicit(q, k, v, True, mask, 0.5, None, None)
     assert (exact - uncapped).abs().max() > 0.1
     if backend == "reference":
         got = attention(q, k, v, causal=True, mask=mask, scale=0.5, softcap=20.0, backend=backend)

@@ -23,17 +23,24 @@ _ACTIVATION_REFERENCES: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
+def _evaluated(fn: Callable, x: Tensor) -> Optional[Tensor]:
+    """``fn(x)`` without gradients when it is a tensor of ``x``'s shape, else ``None`` (a
+    function that fails or returns something else is not the one being identified)."""
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:  # noqa: BLE001 - any failure means "not what we know"
+        return None
+    return y if isinstance(y, Tensor) and y.shape == x.shape else None
+
+
 def identify_activation(fn: Callable) -> Optional[str]:
     """The fused activation ``fn`` computes ("gelu", "gelu_tanh", "silu"), found by
     evaluating it, or ``None``. Exact and tanh GELU differ by up to ~5e-4 on this grid,
     far above float64 rounding, so the answer is unambiguous."""
     x = torch.linspace(-8.0, 8.0, 1601, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            y = fn(x)
-    except Exception:  # noqa: BLE001 - any failure means "not an activation we know"
-        return None
-    if not isinstance(y, Tensor) or y.shape != x.shape:
+    y = _evaluated(fn, x)
+    if y is None:
         return None
     for name, reference in _ACTIVATION_REFERENCES.items():
         if torch.allclose(y.double(), reference(x), rtol=0, atol=1e-7):
@@ -51,12 +58,8 @@ def identify_rms_norm(norm: nn.Module) -> Optional[tuple[float, float]]:
         return None
     generator = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn((4, weight.shape[0]), generator=generator).to(weight.device, weight.dtype)
-    try:
-        with torch.no_grad():
-            y = norm(x)
-    except Exception:  # noqa: BLE001 - any failure means "not an RMSNorm we know"
-        return None
-    if not isinstance(y, Tensor) or y.shape != x.shape:
+    y = _evaluated(norm, x)
+    if y is None:
         return None
     normalized = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
     # Model libraries compute norms in float32 whatever the dtype: float64 weights too.
