@@ -45,7 +45,6 @@ from .probe import (
     sample_shape,
     trainable_parameters,
 )
-from .report import MEASURED, MEASURED_PHRASE
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .selection import Candidate, Selection, already_fused, find_candidates
 from .swaps import Swap, record_swaps, sites_of
@@ -218,11 +217,10 @@ class _Fuser:
 
     def _backends_that_ran(self, twin) -> dict[str, str]:
         """Op name -> the backend(s) the twin's ops ran on in its last probe (``cpp``,
-        ``cpp+reference`` where calls of different sizes chose differently), or as chosen
-        for any call where the op was not probed (``verify=False``) or is not measured."""
-        described = twin.resolved_backends(self.device)
-        ran = {name: "+".join(sorted(backends)) for name, backends in self.ran.items() if name in described}
-        return {name: ran.get(name, MEASURED if MEASURED_PHRASE in how else how) for name, how in described.items()}
+        ``cpp+reference`` where calls of different sizes chose differently), or how the
+        registry chooses it where no probe ran it (``verify=False``)."""
+        ran = {name: "+".join(sorted(backends)) for name, backends in self.ran.items()}
+        return {name: ran.get(name, how) for name, how in twin.resolved_backends(self.device).items()}
 
     def _with_accurate_projections(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match,
                                    result: ProbeResult) -> tuple[ProbeResult, str]:

@@ -14,9 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 FUSED, SKIPPED, KEPT_SLOWER, WOULD_FUSE = "fused", "skipped", "kept-original-slower", "would-fuse"
-# A backend column entry for an op whose backend is measured per call's sizes and that no
-# probe ran; MEASURED_PHRASE is how the registry describes such a choice.
-MEASURED, MEASURED_PHRASE = "measured", "whichever measured faster"
 ROOT_LABEL = "(model)"
 
 
@@ -200,7 +197,7 @@ def _speedup(value: Optional[float]) -> str:
 
 
 def _backends(row: FusionRow) -> str:
-    """What the row's ops ran on, e.g. ``cpp+native`` (see :data:`MEASURED`)."""
+    """What the row's ops ran on, e.g. ``cpp+native``."""
     return "+".join(sorted({b for value in row.backends.values() for b in value.split("+")})) or "-"
 
 
