@@ -457,7 +457,7 @@ def _forward_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
     shrink for wide rows: compiled for sm_80 with two pipeline stages, every kernel then stays
     under 80 KB of shared memory (MUSA and consumer GPUs have less than A100). Float32 at
     512-byte rows (head_dim 128) owns 16 queries: 32 spilled 8-16 B per thread with a mask or
-    in TF32 (sm_80 under Triton 3.2, sm_90 under 3.9; te_lab.benchmarks.gpu_kernels)."""
+    in TF32 (sm_80 under Triton 3.2, sm_90 under 3.9; te_lab.gpu_checks.gpu_kernels)."""
     block_d = _padded_head_dim(head_dim)
     row_bytes = _row_bytes(block_d, dtype)
     queries = 64 if row_bytes <= 256 else (16 if dtype == torch.float32 else 32)
@@ -478,7 +478,7 @@ def _backward_blocks(head_dim: int, dtype: torch.dtype, precision: str, masked: 
     """The backward, which holds two accumulators and more tiles per step, walks 32-row
     blocks on 8 warps, and float32 (whose IEEE dots run on FMA, not tensor cores) owns 32-row
     blocks: the sizes at which nothing spills on sm_80 and sm_90 at head_dim 64 and 128
-    (te_lab.benchmarks.gpu_kernels; 64-row blocks on 4 warps spilled up to 640 bytes per
+    (te_lab.gpu_checks.gpu_kernels; 64-row blocks on 4 warps spilled up to 640 bytes per
     thread at 255 registers). In TF32, whose operand tiles are twice bf16's, dK/dV spills on
     8 warps (ptxas caps it at 128 registers) and on 4 (Triton 3.2, up to 80 B): it owns 16
     keys. A mask tile is one more load per step: float32 at 512-byte rows then takes 16-row

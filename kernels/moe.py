@@ -380,7 +380,7 @@ if HAS_TRITON:
 
 def _blocks(x: Tensor) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K): 64 x 64 tiles in half precision; 32 x 64 in float32, whose
-    64 x 64 tiles spill on sm_80 (compiled by te_lab.benchmarks.gpu_kernels)."""
+    64 x 64 tiles spill on sm_80 (compiled by te_lab.gpu_checks.gpu_kernels)."""
     return (32 if x.dtype == torch.float32 else 64), 64, 32
 
 

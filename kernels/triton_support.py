@@ -45,7 +45,7 @@ if HAS_TRITON:
 
 # The widest column block a row-wise kernel holds in registers: 8192 columns keep the
 # norms' backward spill-free on sm_80 and sm_90 in float32 (compiled by
-# te_lab.benchmarks.gpu_kernels); wider rows are walked block by block.
+# te_lab.gpu_checks.gpu_kernels); wider rows are walked block by block.
 MAX_COLUMN_BLOCK = 8192
 
 
@@ -68,7 +68,7 @@ def norm_backward_warps(block: int) -> int:
 
 
 # The GPU that launches made through the interpreter stand for, set by
-# :func:`standing_for_gpu` (te_lab.benchmarks.kernel_launches records the launches a GPU
+# :func:`standing_for_gpu` (te_lab.gpu_checks.kernel_launches records the launches a GPU
 # would get from CPU runs); None: launches are what this machine gets.
 _STOOD_FOR_MULTIPROCESSORS: Optional[int] = None
 

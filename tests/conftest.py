@@ -94,7 +94,7 @@ LOSS_OPTIONS = [
 
 
 def assert_walks_column_blocks(log, op, block, rows_per_program):
-    """``op``'s forward and backward kernels in a te_lab.benchmarks LaunchLog were launched
+    """``op``'s forward and backward kernels in a te_lab.gpu_checks LaunchLog were launched
     on column blocks of ``block`` (a row wider than one) with ``rows_per_program``."""
     launched = {record["kernel"].split(":")[1]: record["arguments"] for record in log.records.values()}
     for kernel in (f"_{op}_forward_kernel", f"_{op}_backward_kernel"):

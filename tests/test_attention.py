@@ -191,7 +191,7 @@ def test_bf16_tensor_core_branch(batch, heads_q, heads_kv, seq_q, seq_k, head_di
     """What GPUs run for bf16: q, k, v and the rounded P and dS fed to tl.dot in bf16 (the
     interpreter otherwise gets float32 operands, see _dot_dtype), launched as a GPU would
     launch them and computed as its tensor cores would."""
-    from te_lab.benchmarks.kernel_launches import recording_launches
+    from te_lab.gpu_checks.kernel_launches import recording_launches
 
     q, k, v, mask = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, mask_kind, torch.bfloat16)
     with _exact_bf16_dot_in_the_interpreter(), recording_launches(execute=True) as log:
@@ -212,8 +212,8 @@ def test_bf16_tensor_core_branch(batch, heads_q, heads_kv, seq_q, seq_k, head_di
 def test_float32_dots_follow_torch_matmul_precision():
     """As SDPA's kernels on GPUs: float32 attention multiplies in TF32 where torch's float32
     matmul precision allows it and in IEEE float32 otherwise; bf16 is exact either way."""
-    from te_lab.benchmarks.kernel_launches import recording_launches
-    from te_lab.benchmarks.kernel_scenarios import tf32_float32_matmuls
+    from te_lab.gpu_checks.kernel_launches import recording_launches
+    from te_lab.gpu_checks.kernel_scenarios import tf32_float32_matmuls
 
     def precisions(dtype):
         q, k, v, _ = _inputs(1, 2, 2, 16, 16, 32, None, dtype)
@@ -234,7 +234,7 @@ def test_float32_dots_follow_torch_matmul_precision():
 def test_tf32_launches_compute_the_same_attention():
     """The TF32 launches (dK/dV over 16 keys per program) give the formula's numbers where the
     interpreter multiplies in float32, causal and GQA included."""
-    from te_lab.benchmarks.kernel_scenarios import tf32_float32_matmuls
+    from te_lab.gpu_checks.kernel_scenarios import tf32_float32_matmuls
 
     q, k, v, mask = _inputs(1, 4, 2, 45, 45, 64, "pad-add", torch.float32)
     with tf32_float32_matmuls():
@@ -256,7 +256,7 @@ def test_tf32_launches_compute_the_same_attention():
 def test_retiled_backward_launches_compute_the_same_attention(dtype, head_dim, causal, blocks):
     """The backward blocks chosen where 32 spilled on sm_80/sm_90 (see _backward_blocks) are
     the ones launched, and give the formula's numbers over partial blocks and GQA."""
-    from te_lab.benchmarks.kernel_launches import recording_launches
+    from te_lab.gpu_checks.kernel_launches import recording_launches
 
     q, k, v, _ = _inputs(1, 4, 2, 45, 45, head_dim, None, dtype)
     # launched as on a GPU: bf16 operands reach tl.dot, multiplied as tensor cores would

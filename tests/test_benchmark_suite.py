@@ -8,8 +8,7 @@ import statistics
 import pytest
 import torch
 
-from te_lab import device as devices
-from te_lab.benchmarks import cases, end_to_end, gpu_check, harness, per_op, stats, suite, targets, training_check
+from te_lab.benchmarks import cases, end_to_end, harness, per_op, stats, suite, targets
 from te_lab.benchmarks.end_to_end import CONTENDERS as MODEL_CONTENDERS
 from te_lab.benchmarks.schema import RESULTS_SCHEMA
 from te_lab.models import build_model, example_batch
@@ -189,37 +188,6 @@ def test_inference_contender_runs_the_forward_without_autograd_in_eval_mode(name
     assert seen == [{"input_ids": batch["input_ids"], **expected_kwargs}]
     with torch.no_grad():
         torch.testing.assert_close(logits, model(input_ids=batch["input_ids"], **expected_kwargs).logits)
-
-
-def test_gpu_check_says_clearly_that_it_needs_a_gpu(capsys):
-    if devices.is_gpu(devices.default_device()):
-        pytest.skip("this machine has a GPU: the check runs for real there")
-    assert gpu_check.main([]) == 1
-    assert "gpu_check: no CUDA or MUSA GPU on this machine; nothing to check" in capsys.readouterr().err
-
-
-def test_gpu_check_compares_triton_kernels_with_float64_truth():
-    if not devices.triton_available(torch.device("cpu")):
-        pytest.skip(devices.triton_unavailable_reason("cpu"))
-    (case,) = cases.op_cases("rms_norm", torch.device("cpu"), torch.float32, cases.Size(tokens=8, hidden=512))
-    passed, triton_error, reference_error = gpu_check.check_case(case)
-    assert passed and 0 <= triton_error <= 2 * reference_error + 1e-5
-
-
-@pytest.mark.slow
-def test_autocast_training_check_trains_fused_and_unfused_side_by_side():
-    # The check's machinery, on fused twins running te_lab's reference math: the kernels'
-    # own autocast behaviour is tests/test_autocast.py's, and each Inductor backend would
-    # compile a bfloat16 graph of its own here.
-    result = training_check.autocast_training_check(torch.device("cpu"), model="llama-tiny", steps=3, batch=1, seq=16,
-                                                    backend="reference")
-    unfused, fused = result["losses"]["unfused"], result["losses"]["fused"]
-    assert len(unfused) == len(fused) == 3
-    assert unfused[-1] < unfused[0]  # it trains
-    assert result["within_tolerance"], result["losses"]
-    assert result["max_loss_difference"] == max(abs(f - u) for f, u in zip(fused, unfused))
-    medians = result["median_step_ms"]
-    assert result["fused_speedup"]["value"] == pytest.approx(medians["unfused"] / medians["fused"], rel=1e-12)
 
 
 def test_a_case_that_breaks_is_recorded_and_the_run_goes_on(tmp_path):

@@ -1,7 +1,7 @@
 """The GPU check's CPU-side logic (this machine has no GPU): it refuses cleanly and writes
 nothing without one, checks exactly the ops that have a triton backend, keeps going past
 a case or a stage that raises, and writes its tables; FusedAdamW's Triton kernel check
-runs here through Triton's interpreter."""
+runs here through Triton's interpreter, and the bf16 training stage on a tiny model."""
 
 import json
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from te_lab import device as devices
-from te_lab.benchmarks import gpu_check
+from te_lab.benchmarks import cases
 from te_lab.cli import main as te_lab_main
+from te_lab.gpu_checks import gpu_check, training_check
 from te_lab.kernels.registry import registered_ops
 
 
@@ -156,3 +157,34 @@ def test_te_lab_contenders_can_be_limited_to_some_backends():
     every = [backend for backend, _ in per_op.te_lab_backends("layer_norm", cpu)]
     assert len(every) > 1 and per_op.te_lab_backends("layer_norm", cpu, (every[-1],)) == [
         (backend, auto) for backend, auto in per_op.te_lab_backends("layer_norm", cpu) if backend == every[-1]]
+
+
+def test_gpu_check_says_clearly_that_it_needs_a_gpu(capsys):
+    if devices.is_gpu(devices.default_device()):
+        pytest.skip("this machine has a GPU: the check runs for real there")
+    assert gpu_check.main([]) == 1
+    assert "gpu_check: no CUDA or MUSA GPU on this machine; nothing to check" in capsys.readouterr().err
+
+
+def test_gpu_check_compares_triton_kernels_with_float64_truth():
+    if not devices.triton_available(torch.device("cpu")):
+        pytest.skip(devices.triton_unavailable_reason("cpu"))
+    (case,) = cases.op_cases("rms_norm", torch.device("cpu"), torch.float32, cases.Size(tokens=8, hidden=512))
+    passed, triton_error, reference_error = gpu_check.check_case(case)
+    assert passed and 0 <= triton_error <= 2 * reference_error + 1e-5
+
+
+@pytest.mark.slow
+def test_autocast_training_check_trains_fused_and_unfused_side_by_side():
+    # The check's machinery, on fused twins running te_lab's reference math: the kernels'
+    # own autocast behaviour is tests/test_autocast.py's, and each Inductor backend would
+    # compile a bfloat16 graph of its own here.
+    result = training_check.autocast_training_check(torch.device("cpu"), model="llama-tiny", steps=3, batch=1, seq=16,
+                                                    backend="reference")
+    unfused, fused = result["losses"]["unfused"], result["losses"]["fused"]
+    assert len(unfused) == len(fused) == 3
+    assert unfused[-1] < unfused[0]  # it trains
+    assert result["within_tolerance"], result["losses"]
+    assert result["max_loss_difference"] == max(abs(f - u) for f, u in zip(fused, unfused))
+    medians = result["median_step_ms"]
+    assert result["fused_speedup"]["value"] == pytest.approx(medians["unfused"] / medians["fused"], rel=1e-12)

@@ -1,11 +1,11 @@
 """te_lab's Triton kernels compiled for real GPUs on this CPU-only machine
-(te_lab.benchmarks.gpu_kernels): sm_90 and sm_80 under the newest Triton, sm_80 under
+(te_lab.gpu_checks.gpu_kernels): sm_90 and sm_80 under the newest Triton, sm_80 under
 Triton 3.2 (the MUSA release; `make test-triton32` runs this file there too).
 
 Heavier than the other tests: recording CI's scenarios takes seconds, compiling their
 launches (about 50, each for every target, in two processes) a few minutes on CI's
 2 cores. The full scenario set, for docs/gpu-kernels.md, is `python -m
-te_lab.benchmarks.gpu_kernels record` without --ci.
+te_lab.gpu_checks.gpu_kernels record` without --ci.
 """
 
 import importlib
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from te_lab.benchmarks.kernel_compile import TARGETS, problems, spills, theoretical_occupancy
-from te_lab.benchmarks.kernel_lint import lint_kernels, lint_source
+from te_lab.gpu_checks.kernel_compile import TARGETS, problems, spills, theoretical_occupancy
+from te_lab.gpu_checks.kernel_lint import lint_kernels, lint_source
 from te_lab.kernels.triton_support import HAS_TRITON
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ compiles = pytest.mark.timeout(1800)
 
 
 def _gpu_kernels(*args):
-    command = [sys.executable, "-m", "te_lab.benchmarks.gpu_kernels", *args]
+    command = [sys.executable, "-m", "te_lab.gpu_checks.gpu_kernels", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=1500)
 
 
@@ -155,4 +155,4 @@ def test_the_doc_lists_every_kernel_for_every_target():
         for target in ("sm_90", "sm_80"):
             assert f"| `{kernel}` | {target} |" in text, (kernel, target)
     assert "## Triton 3.2.0: sm_80" in text
-    assert "Scenarios: every scenario of `te_lab.benchmarks.kernel_scenarios`" in text  # the full set
+    assert "Scenarios: every scenario of `te_lab.gpu_checks.kernel_scenarios`" in text  # the full set

@@ -70,7 +70,7 @@ def test_rows_wider_than_one_column_block(monkeypatch, dtype, with_residual, wit
     """Rows over MAX_COLUMN_BLOCK (8192, Llama 3 405B's 16384 among them) are walked block by
     block; a block of 256 gives the same path at a size the interpreter runs quickly, with a
     partial last block and several rows per program (sized for a 1-multiprocessor GPU)."""
-    from te_lab.benchmarks.kernel_launches import recording_launches
+    from te_lab.gpu_checks.kernel_launches import recording_launches
     from te_lab.kernels import triton_support
 
     monkeypatch.setattr(triton_support, "MAX_COLUMN_BLOCK", 256)

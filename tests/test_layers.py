@@ -24,8 +24,9 @@ LAYERS = (
     ("widgets", ("te_lab.widgets",)),
     # status describes the whole installation (te_lab.__version__, every op's backend)
     # integrations: te_lab inside other libraries' training loops (Hugging Face's Trainer)
+    # gpu_checks times through the benchmark suite's harness (te_lab.benchmarks)
     ("api", ("te_lab", "te_lab.status", "te_lab.extensions", "te_lab.cli", "te_lab.benchmarks",
-             "te_lab.integrations")),
+             "te_lab.gpu_checks", "te_lab.integrations")),
 )
 
 

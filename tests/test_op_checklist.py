@@ -16,7 +16,7 @@ import pytest
 import te_lab
 from te_lab import kernels
 from te_lab.benchmarks.cases import OP_CASES, OPTIMIZER_OPS
-from te_lab.benchmarks.kernel_scenarios import scenarios
+from te_lab.gpu_checks.kernel_scenarios import scenarios
 from te_lab.kernels import registered_ops
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_every_op_with_triton_kernels_has_gpu_compile_scenarios_some_in_ci():
         if "triton" not in op.backends():
             continue
         own = [scenario for scenario in found if scenario.label.split(" ")[0] == name]
-        assert own, f"benchmarks/kernel_scenarios.py has no scenario for {name}"
+        assert own, f"te_lab/gpu_checks/kernel_scenarios.py has no scenario for {name}"
         assert any(scenario.in_ci for scenario in own), f"no scenario of {name} in CI_SCENARIOS"
 
 

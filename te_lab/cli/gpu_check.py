@@ -1,9 +1,9 @@
-"""``te-lab gpu-check``: the GPU check (``te_lab.benchmarks.gpu_check``), which declares its
+"""``te-lab gpu-check``: the GPU check (``te_lab.gpu_checks.gpu_check``), which declares its
 own options (``add_arguments``) and runs (``run``)."""
 
 from __future__ import annotations
 
-from te_lab.benchmarks import gpu_check
+from te_lab.gpu_checks import gpu_check
 
 
 def add_parser(subcommands) -> None:

@@ -14,13 +14,12 @@ import contextlib
 import torch
 
 import te_lab
+from te_lab.benchmarks.end_to_end import torch_adamw
+from te_lab.benchmarks.harness import Contender, interleaved
+from te_lab.benchmarks.stats import speedup
 from te_lab.kernels import FusedAdamW
 from te_lab.kernels.precision import TOLERANCES
 from te_lab.models import build_model, example_batch
-
-from .end_to_end import torch_adamw
-from .harness import Contender, interleaved
-from .stats import speedup
 
 
 def _training_contender(name: str, model: torch.nn.Module, optimizer, batch: dict, dtype: torch.dtype,

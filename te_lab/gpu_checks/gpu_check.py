@@ -36,14 +36,14 @@ import torch
 
 import te_lab
 from te_lab import device as devices
+from te_lab.benchmarks import environment, per_op
+from te_lab.benchmarks.cases import OP_CASES, OpCase, Size, op_cases, transformer_parameter_shapes
+from te_lab.benchmarks.harness import describe_error
 from te_lab.kernels import FusedAdamW
 from te_lab.kernels.precision import TOLERANCES, error_budget
 from te_lab.kernels.registry import registered_ops
 from te_lab.models import build_model, example_batch
 
-from . import environment, per_op
-from .cases import OP_CASES, OpCase, Size, op_cases, transformer_parameter_shapes
-from .harness import describe_error
 from .training_check import autocast_training_check
 
 CHECK_DTYPES = ("float32", "bfloat16")
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.gpu_check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m te_lab.gpu_checks.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -12,7 +12,7 @@ instructions in the PTX give each result; the theoretical occupancy follows from
 
 The process must not have ``TRITON_INTERPRET=1`` set when te_lab's kernels are defined
 (kernels are then interpreted functions, which compile nothing): run it through
-``python -m te_lab.benchmarks.gpu_kernels compile``.
+``python -m te_lab.gpu_checks.gpu_kernels compile``.
 """
 
 from __future__ import annotations
