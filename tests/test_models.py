@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import te_lab
 from conftest import DEVICE, assert_close
 from te_lab.models import (
     GPT2LM,
@@ -210,6 +211,21 @@ def test_hugging_face_names_and_batches():
         huggingface("bert")
     with pytest.raises(ValueError, match=r"example_batch\(seq=0\): expected a positive int"):
         example_batch(model, 2, 0)
+
+
+def test_the_qwen3_moe_preset_is_the_model_issue_26_measured():
+    pytest.importorskip("transformers")
+    model = build_model("hf:qwen3_moe-mini")
+    config = model.config
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and config.num_hidden_layers == 2
+    assert (config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.head_dim) == (256, 32, 4, 128, 32)
+    for layer in model.model.layers:  # every layer's MLP is the MoE block
+        assert layer.mlp.experts.gate_up_proj.shape == (32, 2 * 128, 256)
+    tiny = build_model("hf:qwen3_moe")
+    report = te_lab.fuse(tiny, sample=example_batch(tiny, 1, 8), only=["moe"], progress=False)
+    assert [row.path for row in report.fused] == ["model.layers.0.mlp", "model.layers.1.mlp"], [
+        (row.path, row.status, row.reason) for row in report.rows]
 
 
 def test_build_model_names():

@@ -26,6 +26,7 @@ gradients are left as found.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import statistics
 import time
@@ -48,6 +49,7 @@ from .attribution import attribute
 from .chatter import without_profiler_chatter
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
+from .expert_load import FORMULA as EXPERT_LOAD_FORMULA, LoadRecorder
 from .report import (
     OTHER_KEY,
     Ceilings,
@@ -104,6 +106,7 @@ FORMULAS = {
     "communication_ms": "union of the intervals during which collectives ran in the profiled step (gloo's "
                         "worker-thread events on the CPU, NCCL / MCCL kernels on GPUs), waiting for other ranks "
                         "included; not part of the op time",
+    "expert_load": EXPERT_LOAD_FORMULA,
 }
 
 
@@ -289,7 +292,8 @@ def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, _environment(dev, target, inputs, description), dev, steps, warmup,
-                          backward, progress, budget_s)
+                          backward, progress, budget_s, LoadRecorder(
+                              {"": distributed.unwrap(target)} if isinstance(target, nn.Module) else {}))
     return report
 
 
@@ -337,9 +341,10 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     versions = [(p, p._version) for model in models.values() for p in model.parameters()]
+    recorder = LoadRecorder({f"{name}." if several else "": distributed.unwrap(m) for name, m in models.items()})
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
-                          backward, progress, budget_s)
+                          backward, progress, budget_s, recorder)
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
         runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup)
@@ -365,7 +370,7 @@ def runs_per_mode(steps: int, warmup: int) -> int:
 
 
 def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps, warmup: int,
-             backward: bool, progress, budget_s: float) -> ProfileReport:
+             backward: bool, progress, budget_s: float, expert_load: LoadRecorder) -> ProfileReport:
     report = ProfileReport(environment, formulas=dict(FORMULAS))
     samples = {mode.name: [] for mode in modes}
     compile_counters = {mode.name: compiles.CompileCounter() for mode in modes}
@@ -411,11 +416,13 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         runs = {mode.name: [] for mode in modes}
         # One profiled step per mode is thrown away first: the profiler's first session in
         # a process, and the first call of each compiled graph under it, cost up to
-        # hundreds of ms that land on whichever op runs first.
+        # hundreds of ms that land on whichever op runs first. The fused one records the
+        # expert load of fused MoE blocks, if any (.expert_load), where counting costs nothing.
         for index in range(-1, profiled_steps):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
                 with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
-                    profiled = _profiled_step(mode, backward, dev)
+                    profiled = _profiled_step(mode if index >= 0 or mode.name != "fused" else dataclasses.replace(
+                        mode, run=expert_load.recording(mode.run)), backward, dev)
                 if index >= 0:
                     runs[mode.name].append(profiled)
                 advance()
@@ -433,6 +440,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     report.utilization_marks = list(sampler.marks)
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
     report.notes += [note for mode in modes for note in traces[mode.name].trace.notes]
+    report.expert_load = expert_load.load
     return report
 
 

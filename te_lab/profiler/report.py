@@ -17,6 +17,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .expert_load import ExpertLoad
 from .intervals import holds_one
 
 MODES = ("eager", "fused")
@@ -211,6 +212,9 @@ class ProfileReport:
     utilization_marks: list = field(default_factory=list)  # (label, seconds)
     formulas: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    # Tokens per expert of every fused MoE block in one fused step (te_lab.profiler.expert_load);
+    # None where the profiled models hold none (a trace file, te_lab.open_trace, never has it)
+    expert_load: Optional[ExpertLoad] = None
 
     # ---- views ----------------------------------------------------------------------
 
@@ -267,6 +271,14 @@ class ProfileReport:
             (c.key, f"{c.eager.total_ms:.3f}", f"{c.fused.total_ms:.3f}",
              f"{_ratio(c.speedup)} {_interval(c.speedup_low, c.speedup_high)}".strip(),
              "no measurable difference" if c.distinguishable is False else "") for c in self.modules])
+        if self.expert_load is not None:
+            lines += ["", "expert load: tokens per expert in one fused step's forward; imbalance: the busiest "
+                          "expert's tokens / the mean per expert"]
+            lines += _table([("MoE layer", "experts", "routed", "busiest expert", "imbalance")] + [
+                (layer.layer, str(len(layer.tokens_per_expert)), str(layer.routed),
+                 f"{max(range(len(layer.tokens_per_expert)), key=layer.tokens_per_expert.__getitem__)} "
+                 f"({max(layer.tokens_per_expert)} tokens)", _ratio(layer.imbalance))
+                for layer in self.expert_load.layers] + [("overall", "", "", "", _ratio(self.expert_load.imbalance))])
         lines += self.notes
         return "\n".join(lines)
 
@@ -325,6 +337,7 @@ class ProfileReport:
         data["timeline"] = [TimelineEvent(**e) for e in data["timeline"]]
         data["utilization"] = [Figure(**f) for f in data["utilization"]]
         data["utilization_marks"] = [tuple(mark) for mark in data.get("utilization_marks", [])]
+        data["expert_load"] = None if data.get("expert_load") is None else ExpertLoad.from_dict(data["expert_load"])
         return cls(**data)
 
     @classmethod

@@ -15,6 +15,7 @@ import ipywidgets as widgets
 from .figures import (
     GROUP_BY,
     PHASES,
+    expert_load_figure,
     gain_rows,
     gains_figure,
     other_explanation,
@@ -28,6 +29,7 @@ from .plots import Plot
 
 GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
 NO_DETAILS = "<i>Choose a row under \"details of\" for its modules, ops and shapes.</i>"
+TAB_TITLES = ("Gains", "Timeline", "Utilization", "Roofline", "Expert load")
 NO_RERUN = ("No ProfileRun was given with this report (te_lab.show(report, rerun=te_lab.ProfileRun(...))): "
             "there is nothing to re-run")
 
@@ -55,7 +57,8 @@ def _window_label(window) -> str:
 
 class Dashboard(widgets.VBox):
     """``Dashboard(report, rerun=None)``: summary cards, then tabs Gains / Timeline /
-    Utilization / Roofline, and a Re-run button that measures ``rerun`` (a
+    Utilization / Roofline, and Expert load where the report carries it (a heatmap layer x
+    expert), and a Re-run button that measures ``rerun`` (a
     :class:`~te_lab.profiler.ProfileRun`) again. The gains tab's "details of" list fills
     the details panel; the timeline of a long step is drawn a window at a time."""
 
@@ -73,19 +76,20 @@ class Dashboard(widgets.VBox):
         self.utilization = Plot()
         self.utilization_table = widgets.HTML()
         self.roofline = Plot()
+        self.expert_load = Plot()
         self.rerun_button = widgets.Button(description="Re-run", icon="refresh")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="profiling", layout={"visibility":
                                                                                                        "hidden"})
-        tabs = widgets.Tab(children=[
+        self.pages = (
             widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.other, self.detail_row,
                           self.details]),
             widgets.VBox([self.timeline_page, self.timeline]),
             widgets.VBox([self.utilization_table, self.utilization]),
             self.roofline,
-        ])
-        for index, title in enumerate(("Gains", "Timeline", "Utilization", "Roofline")):
-            tabs.set_title(index, title)
-        super().__init__([self.cards, tabs, widgets.HBox([self.rerun_button, self.progress])])
+            self.expert_load,
+        )
+        self.tabs = widgets.Tab()
+        super().__init__([self.cards, self.tabs, widgets.HBox([self.rerun_button, self.progress])])
         self.add_class("te-lab-dashboard")
         self.group_by.observe(lambda _: self._draw_gains(), names="value")
         self.phase.observe(lambda _: self._draw_gains(), names="value")
@@ -111,6 +115,15 @@ class Dashboard(widgets.VBox):
         self._draw_timeline(0)
         self.utilization.draw(utilization_figure(report))
         self.roofline.draw(roofline_figure(report))
+        # The expert load's tab only where the report carries it; otherwise its chart holds nothing.
+        shown = len(self.pages) if report.expert_load is not None else len(self.pages) - 1
+        if len(self.tabs.children) != shown:
+            self.tabs.children = self.pages[:shown]
+            self.tabs.titles = TAB_TITLES[:shown]
+        if report.expert_load is not None:
+            self.expert_load.draw(expert_load_figure(report))
+        else:
+            self.expert_load.clear()
         self.utilization_table.value = _figures_table(report)
         self._draw_gains()
         can_rerun = self.profile_run is not None

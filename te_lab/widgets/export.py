@@ -6,10 +6,18 @@ from __future__ import annotations
 import html
 import pathlib
 
-from .figures import gains_figure, roofline_figure, summary_cards, timeline_figure, utilization_figure
+from .figures import (
+    expert_load_figure,
+    gains_figure,
+    roofline_figure,
+    summary_cards,
+    timeline_figure,
+    utilization_figure,
+)
 
 SECTIONS = (("Gains by op kind", gains_figure), ("Timeline", timeline_figure),
             ("Utilization", utilization_figure), ("Roofline", roofline_figure))
+EXPERT_LOAD_SECTION = ("Expert load", expert_load_figure)  # where the report carries it
 
 
 def write_html(report, path) -> pathlib.Path:
@@ -21,7 +29,8 @@ def write_html(report, path) -> pathlib.Path:
     cards = "".join(f'<div class="card"><div class="title">{html.escape(title)}</div>'
                     f'<div class="value">{html.escape(value)}</div></div>' for title, value in summary_cards(report))
     charts = []
-    for index, (title, build) in enumerate(SECTIONS):
+    sections = SECTIONS + ((EXPERT_LOAD_SECTION,) if report.expert_load is not None else ())
+    for index, (title, build) in enumerate(sections):
         figure_html = build(report).to_html(full_html=False, include_plotlyjs=index == 0)
         charts.append(f"<h2>{html.escape(title)}</h2>{figure_html}")
     formulas = "".join(f"<tr><td>{html.escape(f.name)} ({html.escape(f.mode)})</td>"

@@ -286,6 +286,32 @@ def roofline_figure(report: ProfileReport) -> go.Figure:
     return figure
 
 
+# ---- expert load -------------------------------------------------------------------------------
+
+
+def expert_load_figure(report: ProfileReport) -> go.Figure:
+    """Heatmap of the tokens each expert received in one fused step, a row per fused MoE
+    block (in model order, top down) labelled with its imbalance (busiest expert / mean),
+    a column per expert; the overall imbalance in the title. A report without expert load
+    (no fused MoE block, or a trace file's view) gets an empty figure saying so."""
+    load = report.expert_load
+    if load is None:
+        return go.Figure(layout={"title": "No expert load: the profile ran no fused MoE block"})
+    experts = max(len(layer.tokens_per_expert) for layer in load.layers)
+    # A layer with fewer experts than the widest leaves its remaining cells empty.
+    counts = [layer.tokens_per_expert + [None] * (experts - len(layer.tokens_per_expert)) for layer in load.layers]
+    figure = go.Figure(go.Heatmap(
+        z=counts, x=list(range(experts)), y=[f"{layer.layer} ({layer.imbalance:.2f}x)" for layer in load.layers],
+        colorscale="Viridis", colorbar={"title": "tokens"},
+        hovertemplate="%{y}<br>expert %{x}: %{z} tokens<extra></extra>"))
+    figure.update_layout(
+        title=f"Tokens per expert, one fused step's forward: imbalance {load.imbalance:.2f}x overall"
+              "<br><sup>imbalance: the busiest expert's tokens / the mean per expert (1.00x: balanced), per layer "
+              "in brackets; overall: the layers' busiest summed / their means summed</sup>",
+        xaxis_title="expert", yaxis_autorange="reversed", height=max(300, 120 + 28 * len(load.layers)))
+    return figure
+
+
 # ---- headline cards -------------------------------------------------------------------------
 
 

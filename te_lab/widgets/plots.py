@@ -40,3 +40,8 @@ class Plot(widgets.Output):
     def draw(self, figure: go.Figure) -> None:
         self.figure = figure
         self.outputs = (figure_output(figure),)
+
+    def clear(self) -> None:
+        """Show nothing (and hold no figure's data)."""
+        self.figure = go.Figure()
+        self.outputs = ()
