@@ -33,8 +33,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from te_lab.kernels.attention import attention
 from te_lab.kernels.bias_act import bias_act, linear_act
@@ -45,9 +43,13 @@ from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
 from te_lab.kernels.rope import apply_rotary
+from te_lab.kernels.torch_internals import FakeTensorMode, TorchDispatchMode
 from te_lab.profiler.estimates import cost_of
 
 VOCAB = 32000
+
+
+SIZE_SYNTAX = "TOKENSxHIDDEN with positive integers, e.g. 2048x1024"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,15 @@ class Size:
 
     def __str__(self) -> str:
         return f"T={self.tokens} H={self.hidden}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Size":
+        """``"2048x1024"`` as ``Size(2048, 1024)``, the command lines' ``--sizes`` syntax; a
+        ValueError for anything else."""
+        tokens, _, hidden = text.lower().partition("x")
+        if not (tokens.isdigit() and hidden.isdigit()) or int(hidden) < 1:
+            raise ValueError(f"size {text!r}: expected {SIZE_SYNTAX}")
+        return cls(int(tokens), int(hidden))
 
 
 @dataclass

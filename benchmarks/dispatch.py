@@ -182,8 +182,6 @@ def markdown(records: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from .suite import _size  # the suite's TOKENSxHIDDEN parser
-
     parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.dispatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=None, help="comma-separated TOKENSxHIDDEN sizes (default: 64x64, "
@@ -199,9 +197,10 @@ def main(argv=None) -> int:
               f"{','.join(PHASES)}", file=sys.stderr)
         return 2
     try:
-        sizes = None if args.sizes is None else tuple(_size(t) for t in args.sizes.split(",") if t.strip())
-    except SystemExit as exit_status:
-        return int(exit_status.code)
+        sizes = None if args.sizes is None else tuple(Size.parse(t) for t in args.sizes.split(",") if t.strip())
+    except ValueError as error:
+        print(f"te_lab.benchmarks.dispatch: --sizes: {error}", file=sys.stderr)
+        return 2
     for option in ("rounds", "calls"):
         if getattr(args, option) < 1:
             print(f"te_lab.benchmarks.dispatch: --{option}: got {getattr(args, option)}; expected a positive int",

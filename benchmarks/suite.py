@@ -39,7 +39,7 @@ from te_lab import device as devices
 from te_lab.kernels import registered_ops
 
 from . import dispatch, end_to_end, environment, generation, per_op
-from .cases import OP_CASES, OPTIMIZER_OPS, Size
+from .cases import OP_CASES, OPTIMIZER_OPS, SIZE_SYNTAX, Size
 from .harness import describe_error
 from .html_report import write_html
 from .report import markdown
@@ -180,10 +180,10 @@ def _error(where: str, given, expected: str) -> SystemExit:
 
 
 def _size(text: str) -> Size:
-    tokens, _, hidden = text.lower().partition("x")
-    if not (tokens.isdigit() and hidden.isdigit()) or int(hidden) < 1:
-        raise _error("--sizes", text, "TOKENSxHIDDEN with positive integers, e.g. 2048x1024")
-    return Size(int(tokens), int(hidden))
+    try:
+        return Size.parse(text)
+    except ValueError:
+        raise _error("--sizes", text, SIZE_SYNTAX) from None
 
 
 def resolve_profile(args: argparse.Namespace, device: torch.device) -> Profile:

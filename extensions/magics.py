@@ -18,10 +18,11 @@ from IPython.display import display
 from IPython.utils.process import arg_split
 from torch import nn
 
-import te_lab
 from te_lab.options import BACKEND_CHOICES, argument_type, check_budget, check_steps, check_warmup
-from te_lab.profiler import ProfileRun
+from te_lab.profiler import ProfileRun, profile_generation
 from te_lab.status import status_lines
+from te_lab.surgery import fuse, fusions, is_fused, unfuse
+from te_lab.views import show, to_html
 
 
 def _statement_text(line: str, statement: list[str]) -> str:
@@ -81,7 +82,7 @@ class TeLabMagics(Magics):
         model = self._model(args.model, "%te_fuse")
         sample = None if args.sample is None else self._evaluate(args.sample, "%te_fuse: --sample")
         try:
-            report = te_lab.fuse(model, sample=sample, only=_names(args.only), exclude=_names(args.exclude),
+            report = fuse(model, sample=sample, only=_names(args.only), exclude=_names(args.exclude),
                                  backend=args.backend, verify=not args.no_verify, auto=args.auto,
                                  dry_run=args.dry_run)
         except (TypeError, ValueError, RuntimeError) as error:
@@ -102,7 +103,7 @@ class TeLabMagics(Magics):
             %te_unfuse model
         """
         args = parse_argstring(self.te_unfuse, line)
-        print(te_lab.unfuse(self._model(args.model, "%te_unfuse")))
+        print(unfuse(self._model(args.model, "%te_unfuse")))
 
     @magic_arguments()
     @argument("--model", help="the fused model to switch (default: every fused model in the namespace)")
@@ -151,12 +152,12 @@ class TeLabMagics(Magics):
 
     def _fused_in_namespace(self) -> dict:
         return {name: value for name, value in self.shell.user_ns.items()
-                if not name.startswith("_") and isinstance(value, nn.Module) and te_lab.is_fused(value)}
+                if not name.startswith("_") and isinstance(value, nn.Module) and is_fused(value)}
 
     def _fused_models(self, expression) -> dict:
         if expression is not None:
             model = self._model(expression, "%te_profile: --model")
-            if not te_lab.is_fused(model):
+            if not is_fused(model):
                 raise UsageError(f"%te_profile: --model {expression!r} has no te_lab fusions; run %te_fuse first")
             return {expression: model}
         found = self._fused_in_namespace()
@@ -197,11 +198,11 @@ class TeLabMagics(Magics):
             return None
 
         if args.generation:
-            profile = te_lab.profile_generation(run, next(iter(models.values())),
+            profile = profile_generation(run, next(iter(models.values())),
                                                 runs=3 if args.steps == "auto" else args.steps)
             print(f"%te_profile: ran the {what} {runs} times (a warm-up, a profiled and {profile.runs} timed runs in "
                   f"each of eager and fused mode)")
-            te_lab.show(profile)
+            show(profile)
             return profile
         profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
                                            backward=is_expression and not args.no_backward)
@@ -213,8 +214,8 @@ class TeLabMagics(Magics):
             print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {steps} timed steps, "
                   f"then profiled steps, in each of eager and fused mode)")
         if args.html:
-            print(f"static report written to {te_lab.to_html(report, args.html)}")
-        te_lab.show(report, rerun=profile_run)
+            print(f"static report written to {to_html(report, args.html)}")
+        show(report, rerun=profile_run)
         return report
 
     @line_magic
@@ -228,6 +229,6 @@ class TeLabMagics(Magics):
         if line.strip():
             raise UsageError(f"%te_status takes no arguments, got {line.strip()!r}")
         lines = status_lines()
-        lines.append("fused models: " + (", ".join(f"{name} ({len(te_lab.fusions(value))} fused modules)"
+        lines.append("fused models: " + (", ".join(f"{name} ({len(fusions(value))} fused modules)"
                                                    for name, value in self._fused_in_namespace().items()) or "none"))
         print("\n".join(lines))

@@ -8,9 +8,10 @@ import importlib.metadata
 
 import torch
 
-from te_lab import __version__, device as devices
+from te_lab import device as devices
 from te_lab.kernels import available_backends, compiled, cpu_kernels, measured_choice, registered_ops, select_backend
 from te_lab.kernels.registry import describe_backend
+from te_lab.version import __version__
 
 VERSIONED = ("torch", "triton", "torch_musa", "transformers")
 

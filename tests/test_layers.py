@@ -2,7 +2,8 @@
 ones inside functions too), read from the source with ``ast``, goes to its own layer or a
 lower one. The order, lowest first: device -> kernels -> modules -> surgery -> profiler
 -> widgets -> the API, magics and CLI. A module the table does not place fails the test,
-so a new module has to be given a layer."""
+so a new module has to be given a layer. Within a layer, no module imports itself back
+through others: the modules' imports form no cycle."""
 
 import ast
 import pathlib
@@ -15,13 +16,15 @@ PACKAGES = {"te_lab": ROOT / "te_lab", "te_lab.kernels": ROOT / "kernels", "te_l
             "te_lab.benchmarks": ROOT / "benchmarks"}
 # Lowest first; a module belongs to the layer of its longest matching prefix.
 LAYERS = (
-    ("device", ("te_lab.device", "te_lab.inputs", "te_lab.distributed", "te_lab.cache")),
+    # version: te_lab.__version__, importing nothing
+    ("device", ("te_lab.device", "te_lab.inputs", "te_lab.distributed", "te_lab.cache", "te_lab.version")),
     ("kernels", ("te_lab.kernels", "te_lab.options")),
     ("modules", ("te_lab.modules", "te_lab.models")),
     ("surgery", ("te_lab.surgery",)),
     # optim labels its work with the profiler's region names (te_lab.profiler.regions)
     ("profiler", ("te_lab.profiler", "te_lab.optim")),
-    ("widgets", ("te_lab.widgets",)),
+    # views: te_lab.show / te_lab.to_html, handing reports to the widgets
+    ("widgets", ("te_lab.widgets", "te_lab.views")),
     # status describes the whole installation (te_lab.__version__, every op's backend)
     # integrations: te_lab inside other libraries' training loops (Hugging Face's Trainer)
     # gpu_checks times through the benchmark suite's harness (te_lab.benchmarks)
@@ -91,3 +94,37 @@ def test_no_module_imports_from_a_higher_layer(module):
     upward = [f"{MODULES[module].relative_to(ROOT)}:{line} imports {name} ({LAYERS[_layer_of(name)][0]} layer)"
               for line, name in _imported(module, MODULES[module]) if _layer_of(name) > rank]
     assert not upward, f"{module} is in the {LAYERS[rank][0]} layer, but " + "; ".join(upward)
+
+
+def _import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles of the import graph ``imports`` (module -> modules it imports), each as the
+    modules along it, the first repeated last: a depth-first walk's, at least one through
+    every group of modules that import each other; none when the graph has no cycle."""
+    cycles, finished = [], set()
+
+    def walk(module, path, on_path):
+        for target in sorted(imports.get(module, ())):
+            if target in on_path:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in finished:
+                walk(target, path + [target], on_path | {target})
+        finished.add(module)
+
+    for module in sorted(imports):
+        if module not in finished:
+            walk(module, [module], {module})
+    return cycles
+
+
+def test_the_cycle_finder_finds_cycles_and_only_them():
+    assert _import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _import_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert _import_cycles({"a": {"a"}}) == [["a", "a"]]
+
+
+def test_no_import_cycle_among_te_labs_modules():
+    imports = {module: {name for _, name in _imported(module, path) if name in MODULES and name != module}
+               for module, path in MODULES.items()}
+    cycles = _import_cycles(imports)
+    assert not cycles, "import cycles (each import, those inside functions too, counts): " + "; ".join(
+        " -> ".join(cycle) for cycle in cycles)
