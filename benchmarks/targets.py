@@ -1,5 +1,6 @@
-"""Issue 9's targets, read off a results object. Nothing here is asserted anywhere: the
-results say for each target whether this run met it, plainly, with the figures.
+"""Issue 9's targets, and issue 26's for MoE, read off a results object. Nothing here is
+asserted anywhere: the results say for each target whether this run met it, plainly, with
+the figures.
 
 "te_lab" is the backend automatic selection picks (what a user gets); a target is met
 when the ratio of medians reaches it (the bootstrap interval is given beside it). A
@@ -11,6 +12,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 MEMORY_BOUND_OPS = ("rms_norm", "layer_norm", "glu", "rope", "cross_entropy", "adamw")
+# Issue 26's MoE targets: the block (benchmarks/cases.py's moe case: 32 experts of width 128,
+# top-4) at 1024 tokens x hidden 256, and the 2-layer Qwen3-MoE's training step at 4 x 256.
+MOE_BLOCK_SIZE = {"tokens": 1024, "hidden": 256}
+MOE_MODEL, MOE_MODEL_SHAPE = "hf:qwen3_moe-mini", (4, 256)
 
 
 def _auto(record: dict) -> Optional[dict]:
@@ -83,12 +88,18 @@ def _dispatch_checks(records: list[dict], limit_us: float):
             for r in records if r["overhead_per_call_us"] is not None]
 
 
+def _is_moe_block(record: dict) -> bool:
+    return record["case"] == "moe" and record["mode"] == "forward+backward" and record["size"] == MOE_BLOCK_SIZE
+
+
 def _model_checks(records: list[dict], model: Optional[str], over: str, threshold: float,
-                  contender: str = "te_lab"):
+                  contender: str = "te_lab", shape: Optional[tuple[int, int]] = None):
+    """Training steps of ``model`` (every model for None), at ``shape`` (batch, seq) if given."""
     checks = []
     for record in records:
         ratio = _speedup(record, contender, over)
-        if record["mode"] == "train" and (model is None or record["model"] == model) and ratio is not None:
+        if record["mode"] == "train" and (model is None or record["model"] == model) and ratio is not None \
+                and (shape is None or (record["batch"], record["seq"]) == shape):
             checks.append((_where(record), ratio["value"] >= threshold,
                            f"{contender} {_ratio_text(ratio)} over {over}"))
     return checks
@@ -127,6 +138,12 @@ def evaluate(results: dict) -> list[dict]:
          lambda: _model_checks(models, None, "eager", 1.1, contender="te_lab (fusion only)")),
         ("training step with routing on (CPU, reported beside it): at least 1.1x eager",
          lambda: _model_checks(models, None, "eager", 1.1)),
+        ("MoE block, 32 experts of width 128, top-4, 1024 x 256 (CPU, float32, forward+backward): at least 3x "
+         "Hugging Face's eager experts", lambda: _op_ratio_checks(ops, "eager", 3.0, include=_is_moe_block)),
+        ("MoE block, 32 experts of width 128, top-4, 1024 x 256 (CPU, float32, forward+backward): ahead of "
+         "torch.compile of the same block", lambda: _op_ratio_checks(ops, "torch.compile", 1.0, include=_is_moe_block)),
+        (f"training step of the 2-layer Qwen3-MoE ({MOE_MODEL}) at {MOE_MODEL_SHAPE[0]} x {MOE_MODEL_SHAPE[1]} "
+         f"(CPU): at least 2x eager", lambda: _model_checks(models, MOE_MODEL, "eager", 2.0, shape=MOE_MODEL_SHAPE)),
     ]
     gpu = [
         ("memory-bound kernels (GPU, bf16): >= 80% of the measured copy bandwidth",

@@ -113,6 +113,30 @@ def test_targets_say_plainly_what_was_missed():
     assert by_text["training step (GPU): at least 1.4x eager"]["measured"] == "not measured on this device"
 
 
+def test_the_moe_targets_read_the_block_at_1024_x_256_and_the_qwen3_moe_step_at_4_x_256():
+    def moe(tokens, over_eager, over_compile):
+        return {**_op_record(over_eager, over_compile, 1.0), "op": "moe", "case": "moe", "mode": "forward+backward",
+                "size": {"tokens": tokens, "hidden": 256}}
+
+    def step(batch, seq, over_eager):
+        return {"model": "hf:qwen3_moe-mini", "mode": "train", "batch": batch, "seq": seq, "speedups": [
+            {"contender": "te_lab", "over": "eager", "value": over_eager, "interval_low": over_eager - 0.1,
+             "interval_high": over_eager + 0.1}]}
+
+    results = {"environment": {"device": "cpu"}, "ops": [moe(1024, 3.4, 0.9), moe(256, 1.5, 0.5)],
+               "models": [step(4, 256, 2.3), step(1, 16, 1.2)]}
+    by_text = {t["target"]: t for t in targets.evaluate(results)}
+    block = "MoE block, 32 experts of width 128, top-4, 1024 x 256 (CPU, float32, forward+backward): "
+    over_eager = by_text[block + "at least 3x Hugging Face's eager experts"]
+    assert over_eager["met"] is True and over_eager["measured"] == "met in 1 of 1 measurements"  # 256 rows: not it
+    assert over_eager["detail"] == ["moe T=1024 H=256 float32 forward+backward: te_lab[native] 3.40x [3.30-3.50]"]
+    assert by_text[block + "ahead of torch.compile of the same block"]["met"] is False
+    model = by_text["training step of the 2-layer Qwen3-MoE (hf:qwen3_moe-mini) at 4 x 256 (CPU): at least 2x eager"]
+    assert model["met"] is True and model["detail"] == ["hf:qwen3_moe-mini train: te_lab 2.30x [2.20-2.40] over eager"]
+    unmeasured = {t["target"]: t for t in targets.evaluate({**results, "ops": [], "models": [step(1, 16, 1.2)]})}
+    assert unmeasured[model["target"]]["met"] is None
+
+
 def test_unknown_options_are_refused_with_what_was_expected(capsys):
     assert suite.main(["--profile", "smoke", "--dtypes", "float8"]) == 2
     assert "--dtypes: got 'float8'; expected one of float32, bfloat16, float16" in capsys.readouterr().err
