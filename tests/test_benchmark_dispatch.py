@@ -102,7 +102,8 @@ def test_decode_and_prefill_rows_time_the_forward_without_gradients_and_no_autog
 
 def test_model_entries_carry_their_own_batch_and_sequence():
     cpu = PROFILES["cpu"]
-    assert cpu.model_batches() == [("llama-tiny", 2, 64), ("llama-mini", 2, 128), ("hf:llama-mini", 4, 256)]
+    assert cpu.model_batches() == [("llama-tiny", 2, 64), ("llama-mini", 2, 128), ("hf:llama-mini", 4, 256),
+                                   ("hf:qwen3_moe-mini", 4, 256)]
     assert PROFILES["quick"].model_batches() == [("llama-mini", 2, 128)]
     from dataclasses import replace
     with pytest.raises(ValueError, match=r"expected NAME or NAME@BATCHxSEQ"):
