@@ -23,6 +23,19 @@ db = dout_j * cos_j - dout_i * sin_i, the same formula with (sin_i, sin_j) repla
 (-sin_j, -sin_i) (with HF's tables, where sin_i = sin_j, a rotation by -sin). The
 backward therefore runs the forward's kernel (or compiled graph) once more, for q and
 k together. cos and sin are treated as constants and receive no gradient.
+
+QK-norm (Qwen3, Gemma 3): with ``q_norm_weight`` and ``k_norm_weight`` every head of q
+and k is first RMS-normalized over its head_dim, in the same pass, and the rotation
+applies to the result:
+
+    y = x * rstd * (weight + weight_offset),  rstd = 1 / sqrt(mean(x**2) + eps)
+    out = rotate(y)
+
+``weight_offset=1.0`` is Gemma's ``(1 + weight)``. The backward rotates the gradient
+back (g = dL/dy, as above), then runs RMSNorm's backward on the same row:
+dx = rstd * (g * w - x_hat * mean(g * w * x_hat)) with x_hat = x * rstd and
+w = weight + weight_offset, and dweight = the sum over every row (head and position)
+of g * x_hat. q and k themselves, not the normalized rows, are kept for it.
 """
 
 from __future__ import annotations
@@ -35,13 +48,14 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .autocast import register_autocast_rule
-from .checks import check_choice, check_tensor
+from .checks import check_choice, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.rope import COSTS
 from .custom_ops import custom_op
 from .measured_choice import op_sample
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
+from .rms_norm import rms_norm_reference
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 NAME = "rope"
@@ -69,7 +83,10 @@ def rotate_pairs(x: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, norm_weight: Optional[Tensor],
+                      norm_eps: float, norm_weight_offset: float) -> Tensor:
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, norm_eps, weight_offset=norm_weight_offset)
     acc = compute_dtype(x)
     rotary_dim = cos.shape[-1]
     rotary = x[..., :rotary_dim].to(acc)
@@ -78,15 +95,20 @@ def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) ->
 
 
 def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
-                           interleaved: bool = False, layout: str = "bhsd"):
-    """The unfused PyTorch math (Hugging Face's ``apply_rotary_pos_emb``, in float32):
-    the truth every backend is compared against.
+                           interleaved: bool = False, layout: str = "bhsd", q_norm_weight: Optional[Tensor] = None,
+                           k_norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6,
+                           norm_weight_offset: float = 0.0):
+    """The unfused PyTorch math (Hugging Face's ``apply_rotary_pos_emb``, in float32,
+    after ``rms_norm_reference`` of each head where norm weights are given, rounded to
+    q's dtype in between as the unfused norm's output is): the truth every backend is
+    compared against.
 
     Unlike the fused backends it is plain autograd, so cos and sin get gradients
     here if they require them.
     """
     cos, sin = _broadcastable(cos, layout), _broadcastable(sin, layout)
-    return _rotate_reference(q, cos, sin, interleaved), _rotate_reference(k, cos, sin, interleaved)
+    return (_rotate_reference(q, cos, sin, interleaved, q_norm_weight, norm_eps, norm_weight_offset),
+            _rotate_reference(k, cos, sin, interleaved, k_norm_weight, norm_eps, norm_weight_offset))
 
 
 def transposed_sin(sin: Tensor, interleaved: bool) -> Tensor:
@@ -108,7 +130,7 @@ def _pair_halves(t: Tensor, rotary_dim: int, interleaved: bool) -> tuple[Tensor,
     return t[..., :half], t[..., half:rotary_dim]
 
 
-def _rotate_by_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+def _rotate_by_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, dtype: torch.dtype) -> Tensor:
     # Inductor on the CPU lowers every cat to a buffer of its own; here the only cat
     # builds the output itself, so each piece is written once, straight into it.
     # (HF's formula, compiled, materializes rotate_half(x) as a full-size temporary.)
@@ -117,38 +139,81 @@ def _rotate_by_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> 
     x_first, x_second = (half.to(acc) for half in _pair_halves(x, rotary_dim, interleaved))
     cos_first, cos_second = (half.to(acc) for half in _pair_halves(cos, rotary_dim, interleaved))
     sin_first, sin_second = (half.to(acc) for half in _pair_halves(sin, rotary_dim, interleaved))
-    out_first = (x_first * cos_first - x_second * sin_first).to(x.dtype)
-    out_second = (x_second * cos_second + x_first * sin_second).to(x.dtype)
+    out_first = (x_first * cos_first - x_second * sin_first).to(dtype)
+    out_second = (x_second * cos_second + x_first * sin_second).to(dtype)
     if interleaved:
         rotated = torch.stack((out_first, out_second), dim=-1).flatten(-2)
     else:
         rotated = torch.cat((out_first, out_second), dim=-1)
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    return torch.cat((rotated, x[..., rotary_dim:].to(dtype)), dim=-1)
 
 
-def _rotate_both(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str):
+def _normalized(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """Each row of ``x`` RMS-normalized and scaled by ``weight + offset``, in the compute dtype."""
+    xf = x.to(compute_dtype(x))
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(xf.dtype) + offset)
+
+
+def _rotate_both(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
+                 q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, offset: float):
     cos, sin = _broadcastable(cos, layout), _broadcastable(sin, layout)
-    return _rotate_by_pairs(q, cos, sin, interleaved), _rotate_by_pairs(k, cos, sin, interleaved)
+    return tuple(_rotate_by_pairs(x if weight is None else _normalized(x, weight, eps, offset), cos, sin,
+                                  interleaved, x.dtype)
+                 for x, weight in ((q, q_weight), (k, k_weight)))
 
 
-# Layout, interleaving and the rank of cos/sin are part of the compiled copy's key (see
-# kernels/compiled.py), so each combination has its own recompile budget.
+def _rotate_back_normalized(dq: Tensor, dk: Tensor, cos: Tensor, transposed: Tensor, interleaved: bool, layout: str,
+                            q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float, offset: float):
+    """dq, dk and the two norm weights' gradients (see the module doc)."""
+    cos, transposed = _broadcastable(cos, layout), _broadcastable(transposed, layout)
+    grads = []
+    for dout, x, weight in ((dq, q, q_weight), (dk, k, k_weight)):
+        acc = compute_dtype(x)
+        g = _rotate_by_pairs(dout, cos, transposed, interleaved, acc)
+        xf = x.to(acc)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x_hat = xf * rstd
+        scaled = g * (weight.to(acc) + offset)
+        dx = rstd * (scaled - x_hat * (scaled * x_hat).mean(-1, keepdim=True))
+        grads.append((dx.to(x.dtype), (g * x_hat).flatten(0, -2).sum(0).to(weight.dtype)))
+    (dq, dq_weight), (dk, dk_weight) = grads
+    return dq, dk, dq_weight, dk_weight
+
+
+# Layout, interleaving, the rank of cos/sin and whether norm weights come are part of the
+# compiled copy's key (see kernels/compiled.py), so each combination has its own
+# recompile budget.
 _rotate_both_compiled = inductor_compiled(_rotate_both)
+_rotate_back_normalized_compiled = inductor_compiled(_rotate_back_normalized)
+
+
+def _no_weight_gradients(x: Tensor) -> tuple[Tensor, Tensor]:
+    """What the backward returns for norm weights that were not given: two distinct empty tensors."""
+    return x.new_empty(0), x.new_empty(0)
+
+
+def _detached(*tensors):
+    return tuple(None if t is None else t.detach() for t in tensors)
 
 
 class _Inductor:
     @staticmethod
-    def forward(q, k, cos, sin, interleaved, layout):
+    def forward(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset):
         # Detached so that forward (whose inputs require grad) and backward share a graph:
         # torch.compile guards on requires_grad.
-        return _rotate_both_compiled(q.detach(), k.detach(), cos.detach(), sin.detach(), interleaved, layout)
+        return _rotate_both_compiled(*_detached(q, k, cos, sin), interleaved, layout,
+                                     *_detached(q_weight, k_weight), eps, offset)
 
     @staticmethod
-    def backward(dq, dk, cos, sin, interleaved, layout):
+    def backward(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight, eps, offset):
         # Incoming gradients are usually dense already; an odd stride pattern (the
         # expanded gradient of a sum) is made contiguous rather than compiled for.
-        return _rotate_both_compiled(dq.contiguous(), dk.contiguous(), cos.detach(),
-                                     transposed_sin(sin.detach(), interleaved), interleaved, layout)
+        transposed = transposed_sin(sin.detach(), interleaved)
+        if q_weight is None:
+            return (*_rotate_both_compiled(dq.contiguous(), dk.contiguous(), cos.detach(), transposed, interleaved,
+                                           layout, None, None, eps, offset), *_no_weight_gradients(dq))
+        return _rotate_back_normalized_compiled(dq.contiguous(), dk.contiguous(), cos.detach(), transposed,
+                                                interleaved, layout, *_detached(q, k, q_weight, k_weight), eps, offset)
 
 
 if HAS_TRITON:
@@ -181,18 +246,118 @@ if HAS_TRITON:
                 tl.store(out_heads + pass_cols[None, :], passed, mask=pass_mask)
 
     @triton.jit
-    def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, seq_len, heads_q, heads_k, head_dim, rotary_dim,
+    def _normalize_rotate_heads(X, OUT, W, x_position, out_position, n_heads, x_head_stride, out_head_stride,
+                                rotary_dim, head_dim, first, second, pair_mask,
+                                cos_first, cos_second, sin_first, sin_second, eps, offset,
+                                ACC: tl.constexpr, HEAD_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr):
+        """RMSNorm over each head of one position, then its rotation (QK-norm). The
+        pass-through columns are loaded masked whether or not there are any: their
+        squares belong to the norm."""
+        heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
+        pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
+        pass_col_mask = pass_cols < head_dim
+        w_first = tl.load(W + first, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_second = tl.load(W + second, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_pass = tl.load(W + pass_cols, mask=pass_col_mask, other=0.0).to(ACC) + offset
+        for head_start in range(0, n_heads, HEAD_BLOCK):
+            head = head_start + heads
+            head_mask = head < n_heads
+            x_heads = X + x_position + head[:, None] * x_head_stride
+            out_heads = OUT + out_position + head[:, None] * out_head_stride
+            mask = head_mask[:, None] & pair_mask[None, :]
+            pass_mask = head_mask[:, None] & pass_col_mask[None, :]
+            x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
+            x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
+            x_pass = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
+            squares = tl.sum(x_first * x_first + x_second * x_second, axis=1) + tl.sum(x_pass * x_pass, axis=1)
+            rstd = (1.0 / tl.sqrt(squares / head_dim + eps))[:, None]
+            y_first = x_first * rstd * w_first[None, :]
+            y_second = x_second * rstd * w_second[None, :]
+            out_first = y_first * cos_first[None, :] - y_second * sin_first[None, :]
+            out_second = y_second * cos_second[None, :] + y_first * sin_second[None, :]
+            tl.store(out_heads + first[None, :], out_first.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(out_heads + second[None, :], out_second.to(OUT.dtype.element_ty), mask=mask)
+            y_pass = x_pass * rstd * w_pass[None, :]
+            tl.store(out_heads + pass_cols[None, :], y_pass.to(OUT.dtype.element_ty), mask=pass_mask)
+
+    @triton.jit
+    def _rotate_back_normalized_heads(DOUT, X, DX, W, DW, dout_position, x_position, dx_position, dw_row, n_heads,
+                                      dout_head_stride, x_head_stride, dx_head_stride, rotary_dim, head_dim,
+                                      first, second, pair_mask, cos_first, cos_second, sin_first, sin_second,
+                                      eps, offset, ACC: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+                                      PASS_BLOCK: tl.constexpr):
+        """The backward of :func:`_normalize_rotate_heads` for one position (sin tables
+        transposed by the caller): the rotated-back gradient g, RMSNorm's backward from
+        the saved input, and this position's row of the weight's gradient (its heads'
+        sum of g * x_hat) into DW."""
+        heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
+        pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
+        pass_col_mask = pass_cols < head_dim
+        w_first = tl.load(W + first, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_second = tl.load(W + second, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_pass = tl.load(W + pass_cols, mask=pass_col_mask, other=0.0).to(ACC) + offset
+        dw_first = w_first * 0.0
+        dw_second = w_second * 0.0
+        dw_pass = w_pass * 0.0
+        for head_start in range(0, n_heads, HEAD_BLOCK):
+            head = head_start + heads
+            head_mask = head < n_heads
+            dout_heads = DOUT + dout_position + head[:, None] * dout_head_stride
+            x_heads = X + x_position + head[:, None] * x_head_stride
+            dx_heads = DX + dx_position + head[:, None] * dx_head_stride
+            mask = head_mask[:, None] & pair_mask[None, :]
+            pass_mask = head_mask[:, None] & pass_col_mask[None, :]
+            d_first = tl.load(dout_heads + first[None, :], mask=mask, other=0.0).to(ACC)
+            d_second = tl.load(dout_heads + second[None, :], mask=mask, other=0.0).to(ACC)
+            g_first = d_first * cos_first[None, :] - d_second * sin_first[None, :]
+            g_second = d_second * cos_second[None, :] + d_first * sin_second[None, :]
+            g_pass = tl.load(dout_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
+            x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
+            x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
+            x_pass = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
+            squares = tl.sum(x_first * x_first + x_second * x_second, axis=1) + tl.sum(x_pass * x_pass, axis=1)
+            rstd = (1.0 / tl.sqrt(squares / head_dim + eps))[:, None]
+            xh_first = x_first * rstd
+            xh_second = x_second * rstd
+            xh_pass = x_pass * rstd
+            gw_first = g_first * w_first[None, :]
+            gw_second = g_second * w_second[None, :]
+            gw_pass = g_pass * w_pass[None, :]
+            mean = (tl.sum(gw_first * xh_first + gw_second * xh_second, axis=1)
+                    + tl.sum(gw_pass * xh_pass, axis=1))[:, None] / head_dim
+            dx_first = (gw_first - xh_first * mean) * rstd
+            dx_second = (gw_second - xh_second * mean) * rstd
+            dx_pass = (gw_pass - xh_pass * mean) * rstd
+            tl.store(dx_heads + first[None, :], dx_first.to(DX.dtype.element_ty), mask=mask)
+            tl.store(dx_heads + second[None, :], dx_second.to(DX.dtype.element_ty), mask=mask)
+            tl.store(dx_heads + pass_cols[None, :], dx_pass.to(DX.dtype.element_ty), mask=pass_mask)
+            dw_first += tl.sum(g_first * xh_first, axis=0)
+            dw_second += tl.sum(g_second * xh_second, axis=0)
+            dw_pass += tl.sum(g_pass * xh_pass, axis=0)
+        tl.store(DW + dw_row + first, dw_first, mask=pair_mask)
+        tl.store(DW + dw_row + second, dw_second, mask=pair_mask)
+        tl.store(DW + dw_row + pass_cols, dw_pass, mask=pass_col_mask)
+
+    @triton.jit
+    def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, Q_IN, K_IN, QW, KW, DQW, DKW,
+                     seq_len, heads_q, heads_k, head_dim, rotary_dim,
                      q_batch_stride, q_seq_stride, q_head_stride,
                      k_batch_stride, k_seq_stride, k_head_stride,
                      q_out_batch_stride, q_out_seq_stride, q_out_head_stride,
                      k_out_batch_stride, k_out_seq_stride, k_out_head_stride,
-                     table_batch_stride, table_seq_stride,
-                     INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr, HAS_PASS: tl.constexpr,
-                     ACC: tl.constexpr, PAIR_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-                     PASS_BLOCK: tl.constexpr):
+                     q_in_batch_stride, q_in_seq_stride, q_in_head_stride,
+                     k_in_batch_stride, k_in_seq_stride, k_in_head_stride,
+                     table_batch_stride, table_seq_stride, eps, offset,
+                     INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr, NORM: tl.constexpr,
+                     HAS_PASS: tl.constexpr, ACC: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+                     HEAD_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr):
         """One program per (batch, seq) position: cos/sin are loaded once, then every head
         of q and of k is rotated. TRANSPOSE runs the backward: each pair's sin entries
-        swapped and negated (see the module doc)."""
+        swapped and negated (see the module doc). NORM adds QK-norm: forward, Q and K are
+        normalized with QW and KW before the rotation; backward (Q and K the outputs'
+        gradients, Q_IN and K_IN the saved inputs), the norm's backward follows and each
+        position's rows of the weights' gradients go to DQW and DKW ([positions, head_dim]).
+        Without NORM, Q_IN ... DKW and their strides are not read."""
         position = tl.program_id(0).to(tl.int64)
         batch = position // seq_len
         seq = position % seq_len
@@ -213,16 +378,40 @@ if HAS_TRITON:
         else:
             sin_first = tl.load(SIN + table + first, mask=pair_mask, other=0.0).to(ACC)
             sin_second = tl.load(SIN + table + second, mask=pair_mask, other=0.0).to(ACC)
-        _rotate_heads(Q, Q_OUT, batch * q_batch_stride + seq * q_seq_stride,
-                      batch * q_out_batch_stride + seq * q_out_seq_stride,
-                      heads_q, q_head_stride, q_out_head_stride, rotary_dim, head_dim,
-                      first, second, pair_mask, cos_first, cos_second, sin_first, sin_second,
-                      HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
-        _rotate_heads(K, K_OUT, batch * k_batch_stride + seq * k_seq_stride,
-                      batch * k_out_batch_stride + seq * k_out_seq_stride,
-                      heads_k, k_head_stride, k_out_head_stride, rotary_dim, head_dim,
-                      first, second, pair_mask, cos_first, cos_second, sin_first, sin_second,
-                      HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
+        q_position = batch * q_batch_stride + seq * q_seq_stride
+        k_position = batch * k_batch_stride + seq * k_seq_stride
+        q_out_position = batch * q_out_batch_stride + seq * q_out_seq_stride
+        k_out_position = batch * k_out_batch_stride + seq * k_out_seq_stride
+        if NORM:
+            if TRANSPOSE:
+                q_in_position = batch * q_in_batch_stride + seq * q_in_seq_stride
+                k_in_position = batch * k_in_batch_stride + seq * k_in_seq_stride
+                _rotate_back_normalized_heads(Q, Q_IN, Q_OUT, QW, DQW, q_position, q_in_position, q_out_position,
+                                              position * head_dim, heads_q, q_head_stride, q_in_head_stride,
+                                              q_out_head_stride, rotary_dim, head_dim, first, second, pair_mask,
+                                              cos_first, cos_second, sin_first, sin_second, eps, offset,
+                                              ACC, HEAD_BLOCK, PASS_BLOCK)
+                _rotate_back_normalized_heads(K, K_IN, K_OUT, KW, DKW, k_position, k_in_position, k_out_position,
+                                              position * head_dim, heads_k, k_head_stride, k_in_head_stride,
+                                              k_out_head_stride, rotary_dim, head_dim, first, second, pair_mask,
+                                              cos_first, cos_second, sin_first, sin_second, eps, offset,
+                                              ACC, HEAD_BLOCK, PASS_BLOCK)
+            else:
+                _normalize_rotate_heads(Q, Q_OUT, QW, q_position, q_out_position, heads_q, q_head_stride,
+                                        q_out_head_stride, rotary_dim, head_dim, first, second, pair_mask,
+                                        cos_first, cos_second, sin_first, sin_second, eps, offset,
+                                        ACC, HEAD_BLOCK, PASS_BLOCK)
+                _normalize_rotate_heads(K, K_OUT, KW, k_position, k_out_position, heads_k, k_head_stride,
+                                        k_out_head_stride, rotary_dim, head_dim, first, second, pair_mask,
+                                        cos_first, cos_second, sin_first, sin_second, eps, offset,
+                                        ACC, HEAD_BLOCK, PASS_BLOCK)
+        else:
+            _rotate_heads(Q, Q_OUT, q_position, q_out_position, heads_q, q_head_stride, q_out_head_stride,
+                          rotary_dim, head_dim, first, second, pair_mask, cos_first, cos_second, sin_first,
+                          sin_second, HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
+            _rotate_heads(K, K_OUT, k_position, k_out_position, heads_k, k_head_stride, k_out_head_stride,
+                          rotary_dim, head_dim, first, second, pair_mask, cos_first, cos_second, sin_first,
+                          sin_second, HAS_PASS, ACC, HEAD_BLOCK, PASS_BLOCK)
 
 
 def _power_of_two_at_least(n: int) -> int:
@@ -233,11 +422,19 @@ def _power_of_two_at_least(n: int) -> int:
 _TILE_ELEMENTS = 2048
 
 
-def _launch_triton(q, k, cos, sin, interleaved, layout, transpose):
+def _dense_rows(x: Optional[Tensor]) -> Optional[Tensor]:
+    """The kernel walks heads, positions and batches by stride; only the last dim must be dense."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch_triton(q, k, cos, sin, interleaved, layout, transpose, weights=None, eps=0.0, offset=0.0, inputs=None):
+    """Rotated q and k (``transpose``: the backward's, of the gradients q and k); with norm
+    ``weights``, normalized first (backward: from the saved ``inputs``), and then also the
+    weights' gradients."""
     seq_dim, head_dim_index = _SEQ_DIM[layout], _HEAD_DIM[layout]
-    # The kernel walks heads, positions and batches by stride; only the last dim must be dense.
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
+    q, k = _dense_rows(q), _dense_rows(k)
+    q_in, k_in = (_dense_rows(x) for x in inputs) if inputs is not None else (q, k)
+    q_weight, k_weight = (w.contiguous() for w in weights) if weights is not None else (q, k)
     table_shape = cos.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -245,8 +442,16 @@ def _launch_triton(q, k, cos, sin, interleaved, layout, transpose):
     batch, seq_len, head_dim = q.shape[0], q.shape[seq_dim], q.shape[-1]
     heads_q, heads_k = q.shape[head_dim_index], k.shape[head_dim_index]
     positions = batch * seq_len
+    weight_grads = weights is not None and transpose
+    # Each position's row of the weights' gradients (its heads' sum), added up after.
+    dq_weight, dk_weight = (torch.empty((positions, head_dim), dtype=compute_dtype(q), device=q.device)
+                            for _ in range(2)) if weight_grads else (q, k)
+
+    def results():
+        return (q_out, k_out, *_weight_sums(dq_weight, dk_weight, weights)) if weight_grads else (q_out, k_out)
+
     if positions == 0:
-        return q_out, k_out
+        return results()
     rotary_dim = table_shape[-1]
     pair_block = _power_of_two_at_least(rotary_dim // 2)
     head_block = min(_power_of_two_at_least(max(heads_q, heads_k)), max(1, _TILE_ELEMENTS // pair_block))
@@ -259,23 +464,32 @@ def _launch_triton(q, k, cos, sin, interleaved, layout, transpose):
 
     with devices.device_guard(q.device):
         _rope_kernel[(positions,)](
-            q, k, cos, sin, q_out, k_out, seq_len, heads_q, heads_k, head_dim, rotary_dim,
-            *strides(q), *strides(k), *strides(q_out), *strides(k_out),
-            table_batch_stride, cos.stride(-2),
-            INTERLEAVED=interleaved, TRANSPOSE=transpose, HAS_PASS=rotary_dim < head_dim,
+            q, k, cos, sin, q_out, k_out, q_in, k_in, q_weight, k_weight, dq_weight, dk_weight,
+            seq_len, heads_q, heads_k, head_dim, rotary_dim,
+            *strides(q), *strides(k), *strides(q_out), *strides(k_out), *strides(q_in), *strides(k_in),
+            table_batch_stride, cos.stride(-2), eps, offset,
+            INTERLEAVED=interleaved, TRANSPOSE=transpose, NORM=weights is not None, HAS_PASS=rotary_dim < head_dim,
             ACC=triton_compute_dtype(q), PAIR_BLOCK=pair_block, HEAD_BLOCK=head_block,
             PASS_BLOCK=pass_block, num_warps=num_warps_for(head_block * pair_block))
-    return q_out, k_out
+    return results()
+
+
+def _weight_sums(dq_weight: Tensor, dk_weight: Tensor, weights) -> tuple[Tensor, Tensor]:
+    """The norm weights' gradients from the kernel's per-position rows, in the weights' dtypes."""
+    return tuple(rows.sum(0).to(weight.dtype) for rows, weight in zip((dq_weight, dk_weight), weights))
 
 
 class _Triton:
     @staticmethod
-    def forward(q, k, cos, sin, interleaved, layout):
-        return _launch_triton(q, k, cos, sin, interleaved, layout, transpose=False)
+    def forward(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset):
+        weights = None if q_weight is None else (q_weight, k_weight)
+        return _launch_triton(q, k, cos, sin, interleaved, layout, False, weights, eps, offset)
 
     @staticmethod
-    def backward(dq, dk, cos, sin, interleaved, layout):
-        return _launch_triton(dq, dk, cos, sin, interleaved, layout, transpose=True)
+    def backward(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight, eps, offset):
+        if q_weight is None:
+            return (*_launch_triton(dq, dk, cos, sin, interleaved, layout, True), *_no_weight_gradients(dq))
+        return _launch_triton(dq, dk, cos, sin, interleaved, layout, True, (q_weight, k_weight), eps, offset, (q, k))
 
 
 class _Cpp:
@@ -284,19 +498,21 @@ class _Cpp:
     (custom_ops); these run them for the dispatched path."""
 
     @staticmethod
-    def forward(q, k, cos, sin, interleaved, layout):
-        return torch.ops.te_lab.rope.cpp(q, k, cos, sin, interleaved, layout)
+    def forward(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset):
+        return torch.ops.te_lab.rope.cpp(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset)
 
     @staticmethod
-    def backward(dq, dk, cos, sin, interleaved, layout):
-        return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout)
+    def backward(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight, eps, offset):
+        return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight,
+                                                  eps, offset)
 
 
-def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool, *, training: bool = True):
+def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool, normalized: bool, *,
+                 training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
     public op) per CPU backend rotating ``rows`` rows of ``head_dim``, half of them q's and
-    half k's (one batch, one head, the full head rotated), on constant inputs (the caller's
-    RNG is left alone)."""
+    half k's (one batch, one head, the full head rotated; QK-norm first where
+    ``normalized``), on constant inputs (the caller's RNG is left alone)."""
     rows = max(rows // 2, 1)
     with torch.inference_mode(False), torch.enable_grad():
         q = torch.linspace(-1, 1, rows * head_dim, dtype=dtype).view(1, 1, rows, head_dim).requires_grad_()
@@ -304,8 +520,10 @@ def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool
         angles = torch.linspace(0, 3, rows * head_dim, dtype=dtype).view(rows, head_dim)
         cos, sin = angles.cos(), angles.sin()
         dq = torch.full(q.shape, 0.01, dtype=dtype)
+        weight = torch.linspace(0.5, 1.5, head_dim, dtype=dtype).requires_grad_() if normalized else None
 
-    return {name: op_sample(lambda name=name: apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=name),
+    return {name: op_sample(lambda name=name: apply_rotary(q, k, cos, sin, interleaved=interleaved,
+                                                           q_norm_weight=weight, k_norm_weight=weight, backend=name),
                             (q, k), (dq, dq), training=training)
             for name in ROPE.cpu_measured}
 
@@ -344,12 +562,18 @@ def _as_layout(x: Tensor, layout: str, memory_layout: str) -> Tensor:
 
 
 def _rotate_in_memory_layout(direction: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
-                             interleaved: bool, layout: str, backend: str):
-    """The backend's ``forward`` or ``backward`` run in :func:`_memory_layout`."""
+                             interleaved: bool, layout: str, backend: str, *norm):
+    """The backend's ``forward`` or ``backward`` run in :func:`_memory_layout` (of ``q``
+    and ``k``: the backward's are the gradients, and the saved inputs among ``norm`` are
+    viewed in the same order of dims)."""
     memory = _memory_layout(q, k, layout)
     rotate = getattr(_IMPLEMENTATIONS[backend], direction)
-    outputs = rotate(_as_layout(q, layout, memory), _as_layout(k, layout, memory), cos, sin, interleaved, memory)
-    return tuple(_as_layout(out.contiguous(), layout, memory) for out in outputs)
+    if direction == "backward":
+        inputs, norm = norm[:2], norm[2:]
+        norm = (*(None if x is None else _as_layout(x, layout, memory) for x in inputs), *norm)
+    outputs = rotate(_as_layout(q, layout, memory), _as_layout(k, layout, memory), cos, sin, interleaved, memory,
+                     *norm)
+    return (*(_as_layout(out.contiguous(), layout, memory) for out in outputs[:2]), *outputs[2:])
 
 
 def _empty_outputs(q: Tensor, k: Tensor, layout: str):
@@ -364,37 +588,52 @@ def _empty_outputs(q: Tensor, k: Tensor, layout: str):
 
 @custom_op("te_lab::rope")
 def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
-             backend: str) -> tuple[Tensor, Tensor]:
-    return _rotate_in_memory_layout("forward", q, k, cos, sin, interleaved, layout, backend)
+             q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], norm_eps: float,
+             norm_weight_offset: float, backend: str) -> tuple[Tensor, Tensor]:
+    return _rotate_in_memory_layout("forward", q, k, cos, sin, interleaved, layout, backend, q_norm_weight,
+                                    k_norm_weight, norm_eps, norm_weight_offset)
 
 
 @_rope_op.register_fake
-def _(q, k, cos, sin, interleaved, layout, backend):
+def _(q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, backend):
     return _empty_outputs(q, k, layout)
 
 
 @custom_op("te_lab::rope_backward")
-def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
-                      layout: str, backend: str) -> tuple[Tensor, Tensor]:
-    return _rotate_in_memory_layout("backward", dq, dk, cos, sin, interleaved, layout, backend)
+def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
+                      q: Optional[Tensor], k: Optional[Tensor], q_norm_weight: Optional[Tensor],
+                      k_norm_weight: Optional[Tensor], norm_eps: float, norm_weight_offset: float,
+                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk and the norm weights' gradients (empty without norm weights; q and k, the
+    forward's inputs, are needed with them only)."""
+    return _rotate_in_memory_layout("backward", dq, dk, cos, sin, interleaved, layout, backend, q, k,
+                                    q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
 
 
 @_rope_backward_op.register_fake
-def _(dq, dk, cos, sin, interleaved, layout, backend):
-    return _empty_outputs(dq, dk, layout)
+def _(dq, dk, cos, sin, interleaved, layout, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset,
+      backend):
+    weight_grads = _no_weight_gradients(dq) if q_norm_weight is None else (
+        torch.empty_like(q_norm_weight, memory_format=torch.contiguous_format),
+        torch.empty_like(k_norm_weight, memory_format=torch.contiguous_format))
+    return (*_empty_outputs(dq, dk, layout), *weight_grads)
 
 
 def _setup_context(ctx, inputs, output):
-    _, _, cos, sin, interleaved, layout, backend = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved, ctx.layout, ctx.backend = interleaved, layout, backend
+    q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, eps, offset, backend = inputs
+    # QK-norm's backward recomputes each row's rstd from q and k themselves.
+    norm = () if q_norm_weight is None else (q, k, q_norm_weight, k_norm_weight)
+    ctx.save_for_backward(cos, sin, *norm)
+    ctx.interleaved, ctx.layout, ctx.eps, ctx.offset, ctx.backend = interleaved, layout, eps, offset, backend
 
 
 def _backward(ctx, dq_out, dk_out):
-    cos, sin = ctx.saved_tensors
-    dq, dk = _rope_backward_op(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.layout, ctx.backend)
+    cos, sin, *norm = ctx.saved_tensors
+    dq, dk, dq_weight, dk_weight = _rope_backward_op(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.layout,
+                                                     *(norm or (None,) * 4), ctx.eps, ctx.offset, ctx.backend)
+    weight_grads = (dq_weight, dk_weight) if norm else (None, None)
     # cos and sin are constants of the model (functions of positions), never trained.
-    return dq, dk, None, None, None, None, None
+    return dq, dk, None, None, None, None, *weight_grads, None, None, None
 
 
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
@@ -453,8 +692,22 @@ def _check_inputs(q, k, cos, sin, interleaved, layout) -> None:
         raise ValueError(f"{NAME}: sin is on {sin.device}; expected {cos.device} like cos")
 
 
+def _check_norm(q, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -> None:
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{NAME}: q_norm_weight and k_norm_weight come together (QK-norm normalizes both); "
+                         f"got only {'q' if k_norm_weight is None else 'k'}_norm_weight")
+    if q_norm_weight is None:
+        return
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        check_parameter(NAME, name, weight, q, "q (head_dim: the norm is over each head)", q.shape[-1])
+    check_positive(NAME, "norm_eps", norm_eps)
+    if not isinstance(norm_weight_offset, (int, float)) or isinstance(norm_weight_offset, bool):
+        raise TypeError(f"{NAME}: norm_weight_offset must be a number, got {norm_weight_offset!r}")
+
+
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
-                 layout: str = "bhsd", backend: Optional[str] = None):
+                 layout: str = "bhsd", q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
+                 norm_eps: float = 1e-6, norm_weight_offset: float = 0.0, backend: Optional[str] = None):
     """Rotary position embedding of ``q`` and ``k`` in one pass; returns ``(q_out, k_out)``.
 
     ``layout="bhsd"``: q [batch, heads_q, seq, head_dim] and k [batch, heads_k, seq,
@@ -469,18 +722,29 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
     through unchanged. ``interleaved=True`` rotates the pairs (x0, x1), (x2, x3), ...
     (GPT-J) instead of (x_i, x_{i + rotary_dim/2}).
 
+    QK-norm: with ``q_norm_weight`` and ``k_norm_weight`` ([head_dim] each, given
+    together) every head of q and k is RMS-normalized first, in the same pass, as
+    ``rms_norm(x, weight, norm_eps, weight_offset=norm_weight_offset)`` would (Qwen3;
+    Gemma 3 with ``norm_weight_offset=1.0``); the weights get gradients.
+
     cos and sin are treated as constants: the fused backends give them no gradient
     (they are functions of the positions, not trained). ``backend`` forces
     ``"triton"``, ``"cpp"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     _check_inputs(q, k, cos, sin, interleaved, layout)
+    _check_norm(q, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
+    normalized = q_norm_weight is not None
     # Rows of q and k rotated: what the backends' costs scale with.
     rows = (q.numel() + k.numel()) // max(q.shape[-1], 1)
-    chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]), (interleaved,))
+    chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]),
+                                     (interleaved, normalized))
     if chosen == "reference":
-        return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout)
+        return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout,
+                                      q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                                      norm_weight_offset=norm_weight_offset)
     # The kernels read the tables as dense rows: broadcast (expanded) or strided tables
     # are copied once here (the C++ kernels took a float32 expanded table as is and read
     # past its memory).
     cos, sin = (table if table.is_contiguous() else table.contiguous() for table in (cos, sin))
-    return _rope_op(q, k, cos, sin, interleaved, layout, chosen)
+    return _rope_op(q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, float(norm_eps),
+                    float(norm_weight_offset), chosen)

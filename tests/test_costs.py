@@ -62,6 +62,13 @@ HAND_COUNTS = [
      (8192 + 4096 + 2 * 2048) * 4, (8192 + 4096) * 4, 3 * (8192 + 4096)),
     ("te_lab::rope_backward", [spec(1, 4, 64, 32), spec(1, 2, 64, 32), spec(64, 32), spec(64, 32)],
      (8192 + 4096 + 2 * 2048) * 4, (8192 + 4096) * 4, 3 * (8192 + 4096)),
+    # with QK-norm weights [32]: 4 FLOPs more per element forward; the backward also reads
+    # q and k and writes the weights' gradients, 11 FLOPs per element for the norm
+    ("te_lab::rope", [spec(1, 4, 64, 32), spec(1, 2, 64, 32), spec(64, 32), spec(64, 32), None, None, spec(32),
+                      spec(32)], (8192 + 4096 + 2 * 2048 + 2 * 32) * 4, (8192 + 4096) * 4, 7 * (8192 + 4096)),
+    ("te_lab::rope_backward", [spec(1, 4, 64, 32), spec(1, 2, 64, 32), spec(64, 32), spec(64, 32), None, None,
+                               spec(1, 4, 64, 32), spec(1, 2, 64, 32), spec(32), spec(32)],
+     (2 * (8192 + 4096) + 2 * 2048 + 2 * 32) * 4, (8192 + 4096 + 2 * 32) * 4, 14 * (8192 + 4096)),
     # q, k, v [2, 4, 64, 32]: out like q and a float32 lse per query row; 4 b h s s d
     ("te_lab::attention", [spec(2, 4, 64, 32)] * 3, 3 * 16384 * 4, 16384 * 4 + 2 * 4 * 64 * 4,
      4 * 2 * 4 * 64 * 64 * 32),

@@ -70,8 +70,13 @@ def _bias_act(backend):
 def _rope(backend):
     q, k = _randn(2, 4, 7, 16), _randn(2, 2, 7, 16)
     cos, sin = _randn(7, 16, grad=False), _randn(7, 16, grad=False)
-    return apply_rotary(q, k, cos, sin, backend=backend), apply_rotary(q, k, cos, sin, interleaved=True,
-                                                                       backend=backend)
+    q_weight, k_weight = _randn(16), _randn(16)
+    # QK-norm with partial rotary, on q and k as Hugging Face's transposed projections give them
+    q_hf, k_hf = _randn(2, 7, 4, 16).transpose(1, 2), _randn(2, 7, 2, 16).transpose(1, 2)
+    return (apply_rotary(q, k, cos, sin, backend=backend),
+            apply_rotary(q, k, cos, sin, interleaved=True, backend=backend),
+            apply_rotary(q_hf, k_hf, cos[:, :8], sin[:, :8], q_norm_weight=q_weight, k_norm_weight=k_weight,
+                         norm_weight_offset=1.0, backend=backend))
 
 
 def _attention(backend):

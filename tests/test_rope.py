@@ -7,6 +7,7 @@ import torch
 
 from conftest import DEVICE, DTYPES, assert_close, backend_params, grads_of, interpreted, leaf
 from te_lab.kernels import cpu_kernels
+from te_lab.kernels.precision import TOLERANCES, error_budget
 from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
 
 BACKENDS = backend_params(ROPE)
@@ -324,3 +325,134 @@ def test_expanded_and_strided_tables_give_the_reference(backend):
         want = apply_rotary_reference(q, k, c.contiguous(), s.contiguous())
         for g, w in zip(got, want):
             assert_close(g, w)
+
+
+# ---- QK-norm (RMSNorm over each head) fused into the rotation --------------------------
+
+def _qk_norm_sources(dtype, layout, head_dim=24, seq=6, seed=6):
+    """q and k as a real checkpoint's projections give them (activations of ~1e3, two
+    outlier channels of ~1e4; Hugging Face's transposed views in "bhsd"), and QK-norm
+    weights around 1 with a few larger entries, as trained ones have."""
+    generator = torch.Generator().manual_seed(seed)
+    projections = []
+    for heads in (HEADS_Q, 2):
+        x = torch.randn(BATCH, seq, heads, head_dim, generator=generator) * 1e3
+        x[..., 3] *= 10
+        x[..., head_dim - 2] *= -8
+        projections.append(x.to(DEVICE, dtype))
+    weights = []
+    for _ in range(2):
+        w = 1 + 0.3 * torch.randn(head_dim, generator=generator)
+        w[5] = 7.0
+        weights.append(w.to(DEVICE, dtype))
+    views = (lambda q, k: (q.transpose(1, 2), k.transpose(1, 2))) if layout == "bhsd" else (lambda q, k: (q, k))
+    return projections, weights, views
+
+
+def _qk_norm_run(fn, projections, weights, views, cos, sin, interleaved, layout, offset, **kwargs):
+    """Both outputs and the gradients of q's and k's projections and of both norm weights."""
+    leaves = [leaf(t) for t in (*projections, *weights)]
+    q, k = views(*leaves[:2])
+    outputs = fn(q, k, cos, sin, interleaved=interleaved, layout=layout, q_norm_weight=leaves[2],
+                 k_norm_weight=leaves[3], norm_eps=1e-6, norm_weight_offset=offset, **kwargs)
+    return tuple(outputs) + grads_of(outputs, leaves)
+
+
+# Each case is two compiled graphs on the inductor backend: a few cover every axis.
+QK_NORM_CASES = [
+    # Qwen3: rotate-half over the whole head, HF's transposed views, in every dtype.
+    *(pytest.param(dtype, "bhsd", False, 24, 0.0, id=f"qwen3-{dtype}") for dtype in DTYPES),
+    # Gemma 3's (1 + weight), interleaved pairs, partial rotary, flash-attn's layout.
+    pytest.param(torch.bfloat16, "bshd", True, 16, 1.0, id="gemma-offset-interleaved-partial-bf16"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, layout, interleaved, rotary_dim, offset", QK_NORM_CASES)
+def test_qk_norm_is_as_close_to_the_float64_truth_as_the_unfused_math(backend, dtype, layout, interleaved, rotary_dim,
+                                                                       offset):
+    """Outputs and the gradients of q, k and both norm weights, at real-like magnitudes:
+    each within the error budget of docs/design.md (twice the unfused reference's own
+    error in this dtype, plus the dtype's tolerance at the true values' scale) from the
+    reference run in float64."""
+    projections, weights, views = _qk_norm_sources(dtype, layout)
+    generator = torch.Generator().manual_seed(7)
+    cos, sin = ((2 * torch.rand(6, rotary_dim, generator=generator) - 1).to(DEVICE) for _ in range(2))
+    args = (cos, sin, interleaved, layout, offset)
+    fused = _qk_norm_run(apply_rotary, projections, weights, views, *args, backend=backend)
+    unfused = _qk_norm_run(apply_rotary_reference, projections, weights, views, *args)
+    truth = _qk_norm_run(apply_rotary_reference, [t.double() for t in projections], [w.double() for w in weights],
+                         views, cos.double(), sin.double(), interleaved, layout, offset)
+    names = ("q_out", "k_out", "d q", "d k", "d q_norm_weight", "d k_norm_weight")
+    for name, got, reference, want in zip(names, fused, unfused, truth):
+        assert got.shape == want.shape and got.dtype == dtype
+        error, reference_error = ((t.double() - want).abs().max().item() for t in (got, reference))
+        budget = error_budget(reference_error, want.abs().max().item(), dtype)
+        if dtype == torch.bfloat16 and interpreted(backend):
+            budget += TOLERANCES[dtype]["atol"]  # the interpreter's truncating bf16 cast (see assert_close)
+        assert error <= budget, f"{name}: {error:.3g} from float64, unfused {reference_error:.3g}, budget {budget:.3g}"
+    for out, x in zip(fused[:2], views(*projections)):
+        assert out.stride() == x.contiguous().stride() if layout == "bshd" else out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("reference", id="reference")] + BACKENDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_qk_norm_gradcheck_float64(backend, interleaved):
+    """The backward, norm weights included, is the exact derivative of the forward
+    (partial rotary, Gemma's weight offset, random tables)."""
+    torch.manual_seed(8)
+    q = torch.randn(2, 3, 5, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 5, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    q_weight, k_weight = (torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cos, sin = (torch.randn(2, 5, 4, device=DEVICE, dtype=torch.float64) for _ in range(2))
+
+    def fn(q, k, q_weight, k_weight, rotate=apply_rotary, **kwargs):
+        return rotate(q, k, cos, sin, interleaved=interleaved, q_norm_weight=q_weight, k_norm_weight=k_weight,
+                      norm_eps=1e-5, norm_weight_offset=0.5, **kwargs)
+
+    inputs = (q, k, q_weight, k_weight)
+    for got, want in zip(fn(*inputs, backend=backend), fn(*inputs, rotate=apply_rotary_reference)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *xs: fn(*xs, backend=backend), inputs, fast_mode=interpreted(backend))
+
+
+@pytest.mark.parametrize("family, offset", [("qwen3", 0.0), ("gemma3", 1.0)])
+def test_qk_norm_reference_is_hugging_face_math(family, offset):
+    """The reference with norm weights is the family's own q/k RMSNorm followed by its
+    apply_rotary_pos_emb, exactly, in float32."""
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    norm_class = getattr(modeling, f"{family.capitalize()}RMSNorm")
+    torch.manual_seed(9)
+    q, k = torch.randn(2, 4, 5, 16) * 1e3, torch.randn(2, 2, 5, 16) * 1e3
+    emb = _frequencies(torch.arange(5)[None], 16)
+    cos, sin = torch.cat((emb, emb), -1).cos(), torch.cat((emb, emb), -1).sin()
+    norms = []
+    for _ in range(2):
+        norm = norm_class(16, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(16))
+        norms.append(norm)
+    want = modeling.apply_rotary_pos_emb(norms[0](q), norms[1](k), cos, sin)
+    got = apply_rotary_reference(q, k, cos, sin, q_norm_weight=norms[0].weight, k_norm_weight=norms[1].weight,
+                                 norm_eps=1e-6, norm_weight_offset=offset)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "changes, error, words",
+    [
+        (dict(q_norm_weight=torch.ones(8)), ValueError, ["rope", "q_norm_weight and k_norm_weight", "only q"]),
+        (dict(q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(6)), ValueError,
+         ["rope", "k_norm_weight", "(6,)", "(8,)", "head_dim"]),
+        (dict(q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(8), norm_eps=0.0), ValueError,
+         ["rope", "norm_eps", "positive"]),
+        (dict(q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(8), norm_weight_offset="1"), TypeError,
+         ["rope", "norm_weight_offset", "'1'"]),
+    ],
+)
+def test_bad_qk_norm_arguments_name_the_argument(changes, error, words):
+    with pytest.raises(error) as raised:
+        apply_rotary(**_bad(), **changes)
+    for word in words:
+        assert word in str(raised.value)
