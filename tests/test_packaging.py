@@ -152,7 +152,7 @@ def test_wheel_installs_kernels_and_extensions_inside_te_lab_only(tmp_path):
     outside = [name for name in names if not name.startswith(("te_lab/", f"{DIST_INFO}/"))]
     assert not outside
     assert top_level == ["te_lab"]
-    for expected in ("te_lab/__init__.py", "te_lab/device.py", "te_lab/kernels/__init__.py",
+    for expected in ("te_lab/__init__.py", "te_lab/device/__init__.py", "te_lab/kernels/__init__.py",
                      "te_lab/kernels/registry.py", "te_lab/extensions/__init__.py", "te_lab/benchmarks/suite.py",
                      "te_lab/kernels/cpp/rms_norm.cpp"):
         assert expected in names

@@ -38,13 +38,13 @@ def no_backend_from_environment(monkeypatch):
 def triton_interpreter(monkeypatch):
     """The triton backend allowed on the CPU, as the interpreter tests run it."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(devices, "_triton_reasons", {})
+    monkeypatch.setattr(devices.triton_availability, "_triton_reasons", {})
 
 
 @pytest.fixture
 def no_triton_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(devices, "_triton_reasons", {})
+    monkeypatch.setattr(devices.triton_availability, "_triton_reasons", {})
 
 
 @pytest.fixture
