@@ -50,7 +50,7 @@ from .checks import check_tensor
 from .costs.attention import COSTS
 from .custom_ops import custom_op
 from .precision import compute_dtype, float32_matmul_allows_tf32
-from .registry import FusedOp, aten_kernel_exists, forced_backend, register_op, select_backend
+from .registry import Call, FusedOp, aten_kernel_exists, choose, register_op
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "attention"
@@ -417,15 +417,15 @@ if HAS_TRITON:
                  (dq * scale).to(DQ.dtype.element_ty), mask=q_inside)
 
 
-def _triton_refusal(q: Tensor, dropout_p: float) -> Optional[str]:
-    """Why the triton kernels cannot run this call, or None when they can."""
+def _triton_refusal(dtype: torch.dtype, head_dim: int, dropout_p: float) -> Optional[str]:
+    """Why the triton kernels cannot run a call of q's ``dtype`` and ``head_dim``, or None when they can."""
     if dropout_p > 0:
         return f"dropout_p={dropout_p} is not supported (expected 0.0; backend='native' applies dropout)"
-    if q.dtype not in _TRITON_DTYPES:
-        return f"q has dtype {q.dtype} (expected float32, float16 or bfloat16: Triton 3.2's tl.dot has no float64)"
-    most = MAX_TRITON_ROW_BYTES // q.element_size()
-    if q.shape[-1] > most:
-        return f"head_dim {q.shape[-1]} is too large (expected at most {most} for {q.dtype})"
+    if dtype not in _TRITON_DTYPES:
+        return f"q has dtype {dtype} (expected float32, float16 or bfloat16: Triton 3.2's tl.dot has no float64)"
+    most = MAX_TRITON_ROW_BYTES // dtype.itemsize
+    if head_dim > most:
+        return f"head_dim {head_dim} is too large (expected at most {most} for {dtype})"
     return None
 
 
@@ -573,6 +573,27 @@ _IMPLEMENTATIONS = {"native": _Native}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
+def _call(q: Tensor, dropout_p: float, sinks: Optional[Tensor], softcap: Optional[float],
+          requested: Optional[str]) -> Call:
+    """The dispatcher's view of a call: what a backend may decline it for."""
+    return Call(q.device, requested, q.dtype, (), (float(dropout_p), sinks is not None, softcap is not None,
+                                                   q.shape[-1]))
+
+
+def _declines(backend: str, call: Call) -> Optional[str]:
+    """Why ``backend`` cannot run ``call`` (triton: dropout, float64, very wide heads; any
+    fused backend: soft-capping; native: sinks through SDPA), or None."""
+    dropout_p, has_sinks, softcapped, head_dim = call.extras
+    reason = None
+    if backend != "reference" and softcapped:
+        reason = "logit soft-capping (softcap) runs on the reference only"
+    elif backend == "triton":
+        reason = _triton_refusal(call.dtype, head_dim, dropout_p)
+    elif backend == "native" and has_sinks and (dropout_p > 0 or not _cpu_flash(call.device.type)):
+        reason = "attention sinks need the kernels' log-sum-exp, which SDPA (with dropout or off the CPU) does not give"
+    return None if reason is None else f"this call: {reason}"
+
+
 # No inductor backend: on this 2-core CPU torch.compile of the explicit formula runs
 # fwd+bwd 1.7x faster than the formula, SDPA's flash kernel 4.8x (fp32, causal, batch 4,
 # 16 heads, seq 1024, head_dim 64), so the CPU prefers native.
@@ -582,6 +603,7 @@ ATTENTION = register_op(FusedOp(
     implementations=_IMPLEMENTATIONS,
     cpu_preference="native",
     costs=COSTS,
+    declines=_declines,
 ))
 
 
@@ -703,33 +725,6 @@ def _check_sinks(sinks: Optional[Tensor], q: Tensor) -> None:
         raise ValueError(f"{NAME}: sinks is on {sinks.device}; expected {q.device} like q")
 
 
-def _refusal(chosen: str, q: Tensor, dropout_p: float, sinks: Optional[Tensor], softcap: Optional[float]):
-    """Why backend ``chosen`` cannot run this call, or None when it can."""
-    if chosen != "reference" and softcap is not None:
-        return "logit soft-capping (softcap) runs on the reference only"
-    if chosen == "triton":
-        return _triton_refusal(q, dropout_p)
-    if chosen == "native" and sinks is not None and (dropout_p > 0 or not _cpu_flash(q.device.type)):
-        return "attention sinks need the kernels' log-sum-exp, which SDPA (with dropout or off the CPU) does not give"
-    return None
-
-
-def _choose_backend(q: Tensor, dropout_p: float, sinks: Optional[Tensor], softcap: Optional[float],
-                    requested: Optional[str]) -> str:
-    """The registry's choice, except that a call the chosen backend refuses (triton:
-    dropout, float64, very wide heads; any fused backend: soft-capping; native: sinks
-    through SDPA) goes to ``native``, or where that refuses too to ``reference``, when the
-    backend was picked automatically; a forced backend refuses it with an error."""
-    chosen = select_backend(ATTENTION, q.device, requested)
-    refusal = _refusal(chosen, q, dropout_p, sinks, softcap)
-    if refusal is None:
-        return chosen
-    forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(ATTENTION)
-    if forced == chosen:
-        raise ValueError(f"{NAME}: backend {chosen!r} (from {source}) cannot run this call: {refusal}")
-    return "native" if _refusal("native", q, dropout_p, sinks, softcap) is None else "reference"
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask: Optional[Tensor] = None,
               scale: Optional[float] = None, dropout_p: float = 0.0, sinks: Optional[Tensor] = None,
               softcap: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
@@ -751,7 +746,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask: Op
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
     mask = None if mask is None else mask.detach()
-    chosen = _choose_backend(q, dropout_p, sinks, softcap, backend)
+    chosen = choose(ATTENTION, _call(q, dropout_p, sinks, softcap, backend))[0]
     if chosen == "reference":
         return _explicit_attention(q, k, v, causal, mask, scale, dropout_p, sinks, softcap)
     if chosen == "native" and (dropout_p > 0 or not _cpu_flash(q.device.type)):

@@ -30,14 +30,7 @@ from .checks import check_tensor
 from .costs.linear import COSTS
 from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
-from .registry import (
-    FusedOp,
-    aten_kernel_exists,
-    forced_backend,
-    register_op,
-    select_backend,
-    select_measured_backend,
-)
+from .registry import Call, FusedOp, aten_kernel_exists, choose, register_op
 
 NAME = "linear"
 
@@ -121,17 +114,27 @@ class _Native:
 
 _IMPLEMENTATIONS = {"native": _Native}
 
+
+def _declines(backend: str, call: Call) -> Optional[str]:
+    """oneDNN's inner product takes float32, and bfloat16 where the CPU has the instructions."""
+    if backend == "native" and call.dtype not in _onednn_dtypes():
+        return (f"its GEMMs in {call.dtype}: oneDNN takes "
+                f"{' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} on this CPU")
+    return None
+
+
 LINEAR = register_op(FusedOp(
     name=NAME,
     reference=linear_reference,
     implementations=_IMPLEMENTATIONS,
-    # Where oneDNN runs, whether it pays is measured per class of sizes (_choose_backend);
-    # torch's own F.linear where it is not measured (TE_LAB_CHOICES=off, another dtype).
+    # Where oneDNN runs, whether it pays is measured per class of sizes (float32 calls,
+    # _call); torch's own F.linear where it is not measured (TE_LAB_CHOICES=off, another dtype).
     cpu_preference="reference",
     cpu_measured=("native", "reference"),
     cpu_samples=_sample_products,
     native_supports=_native_supports,
     costs=COSTS,
+    declines=_declines,
 ))
 
 
@@ -210,30 +213,23 @@ def _check_inputs(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
                              f"the out_features of weight")
 
 
-def _choose_backend(x: Tensor, weight: Tensor, requested: Optional[str]) -> str:
-    """The registry's choice: in float32, an automatic choice takes oneDNN only where it
-    measured faster than the BLAS for these sizes and this kind of call on this machine
-    (``select_measured_backend``); in other dtypes ``reference`` unless ``native`` is
-    forced, which refuses only what oneDNN cannot run. The dtype is the one the GEMMs run
+def _call(x: Tensor, weight: Tensor, requested: Optional[str]) -> Call:
+    """The dispatcher's view of a call: in float32 its sizes, so that an automatic choice
+    takes oneDNN only where it measured faster than the BLAS for these sizes and this kind
+    of call on this machine; in other dtypes none (``reference`` unless ``native`` is
+    forced, which declines only what oneDNN cannot run). The dtype is the one the GEMMs run
     in: under autocast, the region's."""
     dtype = LIKE_LINEAR.cast_dtype(x.device.type) or x.dtype
-    if dtype == torch.float32:
-        tokens = x.numel() // max(x.shape[-1], 1)
-        return select_measured_backend(LINEAR, x.device, requested, dtype, (tokens, weight.shape[1], weight.shape[0]))
-    chosen = select_backend(LINEAR, x.device, requested)
-    if chosen == "native" and dtype not in _onednn_dtypes():
-        source = "backend=" if requested not in (None, "auto") else forced_backend(LINEAR)[1]
-        raise ValueError(f"{NAME}: backend 'native' (from {source}) cannot run its GEMMs in {dtype}: "
-                         f"oneDNN takes {' or '.join(str(d).split('.')[-1] for d in _onednn_dtypes())} "
-                         f"on this CPU")
-    return chosen
+    if dtype != torch.float32:
+        return Call(x.device, requested, dtype)
+    return Call(x.device, requested, dtype, (x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0]))
 
 
 def runs_on_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`linear` of ``x`` and ``weight`` (backend chosen automatically, or by
     ``use_backend``) runs on oneDNN: for ops whose GEMMs run inside them (the chunks of
     fused_linear_cross_entropy)."""
-    return _choose_backend(x, weight, None) == "native"
+    return choose(LINEAR, _call(x, weight, None))[0] == "native"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
@@ -248,7 +244,7 @@ def linear_of_module(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend:
     """:func:`linear` without its argument checks, for an ``nn.Linear``'s own weight and
     bias (consistent by construction; ``F.linear`` still refuses an ``x`` that does not
     fit): a decode step calls several per layer, each on one row."""
-    chosen = _choose_backend(x, weight, backend)
+    chosen = choose(LINEAR, _call(x, weight, backend))[0]
     if chosen == "reference":
         return linear_reference(x, weight, bias)
     return _linear_op(x, weight, bias, chosen)

@@ -162,8 +162,8 @@ def known(decision: str, shape_class: tuple) -> Optional[str]:
 
 
 def remembered(call: tuple) -> Optional[str]:
-    """The registry's settled answer for a call with exactly these arguments (see
-    :func:`te_lab.kernels.registry.select_measured_backend`), if remembered."""
+    """The dispatcher's settled answer for a call with exactly these arguments (see
+    :func:`te_lab.kernels.registry.choose`), if remembered."""
     return _known.get(call)
 
 

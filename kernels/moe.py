@@ -57,7 +57,7 @@ from .checks import check_choice, check_tensor
 from .costs.moe import COSTS
 from .custom_ops import custom_op
 from .precision import compute_dtype, float32_matmul_allows_tf32
-from .registry import FusedOp, forced_backend, register_op, select_backend
+from .registry import Call, FusedOp, choose, register_op
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "moe"
@@ -474,12 +474,22 @@ _IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
+def _declines(backend: str, call: Call) -> Optional[str]:
+    """Triton 3.2's tl.dot has no float64: the triton backend declines it (an automatic
+    choice then takes ``inductor``)."""
+    if backend == "triton" and call.dtype not in _TRITON_DTYPES:
+        return (f"this call: x has dtype {call.dtype} (expected float32, float16 or bfloat16: Triton 3.2's tl.dot "
+                f"has no float64)")
+    return None
+
+
 MOE = register_op(FusedOp(
     name=NAME,
     reference=moe_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
     costs=COSTS,
+    declines=_declines,
 ))
 
 
@@ -603,25 +613,6 @@ def _check_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor,
         raise TypeError(f"{NAME}: transposed and interleaved must be bools, got {transposed!r}, {interleaved!r}")
 
 
-def _triton_refusal(x: Tensor) -> Optional[str]:
-    if x.dtype not in _TRITON_DTYPES:
-        return f"x has dtype {x.dtype} (expected float32, float16 or bfloat16: Triton 3.2's tl.dot has no float64)"
-    return None
-
-
-def _choose_backend(x: Tensor, requested: Optional[str]) -> str:
-    """The registry's choice, except that a float64 call that triton was picked for
-    automatically goes to ``inductor``; a forced triton refuses it with an error."""
-    chosen = select_backend(MOE, x.device, requested)
-    refusal = _triton_refusal(x) if chosen == "triton" else None
-    if refusal is None:
-        return chosen
-    forced, source = (requested, "backend=") if requested not in (None, "auto") else forced_backend(MOE)
-    if forced == "triton":
-        raise ValueError(f"{NAME}: backend 'triton' (from {source}) cannot run this call: {refusal}")
-    return "inductor"
-
-
 def moe_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
                 gate_up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None, *,
                 transposed: bool = False, interleaved: bool = False, activation: str = "silu",
@@ -634,7 +625,7 @@ def moe_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, do
     ``"cpp"``, ``"inductor"``, ``"triton"`` or ``"reference"``."""
     _check_experts(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed, interleaved,
                    activation, alpha, limit)
-    chosen = _choose_backend(x, backend)
+    chosen = choose(MOE, Call(x.device, backend, x.dtype))[0]
     if chosen == "reference":
         return moe_experts_reference(x, weights, indices, gate_up, down, gate_up_bias, down_bias,
                                      transposed=transposed, interleaved=interleaved, activation=activation,

@@ -2,7 +2,8 @@
 
 Each fused op registers a :class:`FusedOp`: its name, its reference (the plain,
 unfused PyTorch math every test and benchmark compares against) and the backends
-that implement it. :func:`select_backend` picks one per call, in this order:
+that implement it. One dispatcher, :func:`choose`, answers every call of every op with
+a backend and why, in this order:
 
 1. the ``backend=`` argument of the call,
 2. the innermost :func:`use_backend` context,
@@ -17,9 +18,13 @@ that implement it. :func:`select_backend` picks one per call, in this order:
    whichever of them measured fastest on this machine; ``reference``, the unfused math,
    is one of them, so an automatic choice is never slower than not fusing.
 
-A forced backend that the op lacks or the device cannot run raises a ``ValueError``
-naming the op, the backend and the device. Selection is plain Python that
-torch.compile traces with guards, so a compiled caller never graph-breaks on it.
+``"auto"`` (or ``None``) at any of the first three steps means "choose automatically". A
+backend may decline a call it cannot compute (``FusedOp.declines``: the attention
+kernels and dropout, oneDNN and float64): the automatic choice then takes the next one;
+a forced backend that the op lacks, the device cannot run, or that declines the call
+raises a ``ValueError`` naming the op, the backend and who forced it. Selection is plain
+Python that torch.compile traces with guards, so a compiled caller never graph-breaks on
+it. The environment variable is parsed when its value changes, not per call.
 """
 
 from __future__ import annotations
@@ -27,20 +32,41 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
 from te_lab import device as devices
 
-from . import cpu_kernels
-from .measured_choice import choose, known, remember, remembered, size_class
+from . import cpu_kernels, measured_choice
+from .measured_choice import known, size_class
 
 BACKENDS = ("triton", "native", "inductor", "cpp", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
 
 
-@dataclass(frozen=True)
+class Call(NamedTuple):
+    """One call of an op as the dispatcher sees it: the ``device`` it runs on, the backend
+    the caller asked for (``requested``: a name, ``"auto"`` or ``None``), and what a
+    measured choice or a declining backend reads: the ``dtype`` the op computes in,
+    ``sizes`` (their power-of-two classes key a measured choice; a call without sizes is
+    not measured) and ``extras`` (e.g. the activation; for attention, the options its
+    kernels may decline). A call without a dtype (:func:`select_backend`'s question
+    about the op in general) is never declined."""
+
+    device: torch.device
+    requested: Optional[str] = None
+    dtype: Optional[torch.dtype] = None
+    sizes: tuple[int, ...] = ()
+    extras: tuple = ()
+
+
+# choose()'s answers say why: a forced backend names who forced it.
+AUTOMATIC = "automatic"
+MEASURED = "measured fastest here for these sizes"
+
+
+@dataclass(frozen=True, eq=False)
 class FusedOp:
     """A fused op and the backends that implement it.
 
@@ -48,10 +74,13 @@ class FusedOp:
     (typically an object with ``forward`` and ``backward``). ``cpu_preference`` is the
     backend chosen automatically where Triton cannot run, picked per op by benchmark.
     ``native_supports`` says on which device types the native backend exists (the
-    ATen kernels it calls may be missing on a device or in an older torch). ``costs``
+    ATen kernels it calls may be missing on a device or in an older torch). ``declines``,
+    given a backend and a :class:`Call`, says why that backend cannot compute the call
+    (a phrase completing "cannot run ...") or returns None. ``costs``
     maps each of the op's ``te_lab::`` custom ops (forward, backward...) to its cost
     function (:mod:`te_lab.kernels.costs`): bytes read and written and FLOPs of one call,
     from its arguments' shapes and dtypes, as the profiler and the benchmarks count them.
+    Ops compare and hash by identity. The dispatcher's memory lives in this module, not on the op.
     """
 
     name: str
@@ -66,8 +95,7 @@ class FusedOp:
     cpu_measured: tuple[str, ...] = ()
     cpu_samples: Optional[Callable[..., Mapping[str, Callable[[], object]]]] = None
     costs: Mapping[str, Callable] = field(default_factory=dict)
-    # select_backend's automatic answers, remembered (a few microseconds per call).
-    automatic_backends: dict = field(default_factory=dict, compare=False, repr=False)
+    declines: Optional[Callable[[str, Call], Optional[str]]] = None
 
     def backends(self) -> tuple[str, ...]:
         """Every backend this op implements (whether a device can run it aside)."""
@@ -98,6 +126,11 @@ def aten_kernel_exists(qualified_name: str, device_type: str, autocast: bool = F
 _REGISTRY: dict[str, FusedOp] = {}
 # The stack of active use_backend() overrides; each entry maps op name (or "*") to backend.
 _OVERRIDES: list[dict[str, str]] = []
+# TE_LAB_BACKEND's value when last parsed, and what it parsed to.
+_environment: tuple[str, dict[str, str]] = ("", {})
+# (op, device type, why Triton cannot run there) -> the automatic backend before any
+# call declines it: it depends on nothing else.
+_automatic: dict[tuple, str] = {}
 
 
 def register_op(op: FusedOp) -> FusedOp:
@@ -132,6 +165,15 @@ def _parse_overrides(spec: str, where: str) -> dict[str, str]:
     return overrides
 
 
+def _environment_overrides(spec: str) -> dict[str, str]:
+    """``TE_LAB_BACKEND``'s value ``spec`` parsed, once per value it takes (a value that
+    does not parse raises on every call, and is not kept)."""
+    global _environment
+    if spec != _environment[0]:
+        _environment = (spec, _parse_overrides(spec, ENV_VAR))
+    return _environment[1]
+
+
 @contextlib.contextmanager
 def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
     """Force a backend inside a ``with`` block: ``use_backend("reference")`` for every
@@ -150,27 +192,43 @@ def use_backend(backend: Optional[str] = None, **per_op: str) -> Iterator[None]:
         _OVERRIDES.remove(overrides)
 
 
+def _named_for(op: FusedOp, overrides: dict[str, str]) -> Optional[str]:
+    """What ``overrides`` says for ``op``: its own entry (strict), else a catch-all the op
+    implements (or ``"auto"``), else None (the overrides do not speak to it)."""
+    if op.name in overrides:
+        return overrides[op.name]
+    catch_all = overrides.get("*")
+    return catch_all if catch_all in op.backends() + ("auto",) else None
+
+
+def _forced(op: FusedOp, requested: Optional[str], spec: str) -> tuple[Optional[str], str]:
+    """The backend forced for this call and who forced it, ``spec`` being TE_LAB_BACKEND's
+    value; ``(None, who)`` where the first that speaks says "auto", ``(None, "")`` where
+    none does. The one place where ``"auto"`` and ``None`` become the same."""
+    if requested is not None:
+        _check_backend_name(requested, f"{op.name}(backend)")
+        if requested != "auto":
+            return requested, "backend="
+    for overrides in reversed(_OVERRIDES):
+        named = _named_for(op, overrides)
+        if named is not None:
+            return (None if named == "auto" else named), "use_backend()"
+    named = _named_for(op, _environment_overrides(spec)) if spec else None
+    if named is not None:
+        return (None if named == "auto" else named), f"{ENV_VAR}={spec!r}"
+    return None, ""
+
+
 def forced_backend(op: FusedOp) -> tuple[Optional[str], str]:
-    """The backend forced by a context or the environment, and who forced it.
+    """The backend forced by a context or the environment (None: chosen automatically),
+    and who forced it.
 
     A catch-all (``use_backend("inductor")``, ``TE_LAB_BACKEND=inductor``) forces only
     the ops that implement that backend; the others keep choosing automatically, so
     "use Inductor" does not break the optimizer, which has no Inductor backend. An
     override naming the op is strict.
     """
-    def pick(overrides: dict[str, str]) -> Optional[str]:
-        if op.name in overrides:
-            return overrides[op.name]
-        catch_all = overrides.get("*")
-        return catch_all if catch_all in op.backends() + ("auto",) else None
-
-    for overrides in reversed(_OVERRIDES):
-        if pick(overrides) is not None:
-            return pick(overrides), "use_backend()"
-    spec = os.environ.get(ENV_VAR, "")
-    if spec and pick(_parse_overrides(spec, ENV_VAR)) is not None:
-        return pick(_parse_overrides(spec, ENV_VAR)), f"{ENV_VAR}={spec!r}"
-    return None, ""
+    return _forced(op, None, os.environ.get(ENV_VAR, ""))
 
 
 def unavailable_reason(op: FusedOp, backend: str, device: torch.device) -> Optional[str]:
@@ -193,20 +251,116 @@ def available_backends(op: FusedOp, device: torch.device) -> list[str]:
     return [name for name in op.backends() if unavailable_reason(op, name, device) is None]
 
 
-def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
-    """:func:`select_backend`'s answer as a report should state it: an automatic choice
-    that is measured per call's sizes says so."""
-    chosen, automatic = _select(op, device, requested)
-    if automatic and not devices.is_gpu(device) and chosen in op.cpu_measured:
-        return f"{' or '.join(op.cpu_measured)}, whichever measured faster here for the sizes"
-    return chosen
-
-
 def training_call() -> bool:
     """Whether an op called now is measured as a training call (forward and backward) rather
     than a forward alone: gradients are on. Generation (``model.generate`` runs under
     ``torch.no_grad``) and ``torch.inference_mode`` are forward-only calls."""
     return torch.is_grad_enabled()
+
+
+# ---- the dispatcher ----
+
+def choose(op: FusedOp, call: Call) -> tuple[str, str]:
+    """The backend that runs ``op`` for ``call``, and why: ``"forced by <who>"``,
+    :data:`AUTOMATIC` (with what declined the call, if anything did) or :data:`MEASURED`
+    (see the module doc).
+
+    This runs on every call of a fused op, so an automatic answer that measuring settled
+    is remembered for the call's exact arguments (op, device type, ``requested``,
+    ``TE_LAB_BACKEND``'s value, dtype, sizes, extras, kind of call) outside
+    ``use_backend`` blocks, torch.compile's tracing and dispatch or function modes (whose
+    sizes may be symbolic): a decode step's ops then pay one dict lookup each."""
+    spec = os.environ.get(ENV_VAR, "")
+    training = torch.is_grad_enabled()
+    direct = not (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                  or torch._C._is_torch_function_mode_enabled())
+    if direct:
+        key = (op, call.device.type, call.requested, spec, call.dtype, call.sizes, call.extras, training)
+        answer = measured_choice.remembered(key)
+        if answer is None:
+            answer, settled = _decide(op, call, spec, training)
+            if settled:
+                measured_choice.remember(key, answer)
+    else:
+        answer = _decide(op, call, spec, training)[0]
+    for recorder in _CHOICE_RECORDERS:
+        if op.cpu_measured:
+            recorder.setdefault(op.name, set()).add(answer[0])
+    return answer
+
+
+def _decide(op: FusedOp, call: Call, spec: str, training: bool) -> tuple[tuple[str, str], bool]:
+    """:func:`choose`'s answer, and whether it may be remembered for the exact call (an
+    automatic answer that measuring settled)."""
+    forced, source = _forced(op, call.requested, spec)
+    if forced is not None:
+        reason = unavailable_reason(op, forced, call.device)
+        if reason is None:
+            declined = _declined(op, forced, call)
+            if declined:
+                raise ValueError(f"{op.name}: backend {forced!r} (from {source}) cannot run {declined}")
+            return (forced, f"forced by {source}"), False
+        raise ValueError(f"{op.name}: backend {forced!r} (from {source}) cannot run on device {call.device}: {reason}")
+    chosen = _automatic_backend(op, call.device)
+    declined = _declined(op, chosen, call)
+    if declined:
+        order = _automatic_order(op, call.device)
+        fallback = next((name for name in order[order.index(chosen) + 1:]
+                         if unavailable_reason(op, name, call.device) is None and not _declined(op, name, call)),
+                        "reference")
+        return (fallback, f"{AUTOMATIC}: {chosen} cannot run {declined}"), False
+    if chosen not in op.cpu_measured or not call.sizes or devices.is_gpu(call.device):
+        return (chosen, AUTOMATIC), False
+    measured, settled = _measured_cpu_choice(op, call.dtype, call.sizes, call.extras, chosen, training)
+    return (measured, MEASURED), settled
+
+
+def _declined(op: FusedOp, backend: str, call: Call) -> Optional[str]:
+    return op.declines(backend, call) if op.declines is not None and call.dtype is not None else None
+
+
+def _automatic_order(op: FusedOp, device: torch.device) -> tuple[str, ...]:
+    # Triton is chosen automatically only on GPUs: the CPU interpreter is for tests.
+    if devices.is_gpu(device):
+        return ("triton", "native", "inductor", "reference")
+    return (op.cpu_preference, "native", "inductor", "reference")
+
+
+def _automatic_backend(op: FusedOp, device: torch.device) -> str:
+    """The first of the automatic order that can run ``op`` on ``device`` (remembered: it
+    depends only on the device type and whether Triton runs there)."""
+    if torch.compiler.is_compiling():  # a dict read there would be guarded on: decide afresh
+        return next(name for name in _automatic_order(op, device) if unavailable_reason(op, name, device) is None)
+    key = (op, device.type, devices.triton_unavailable_reason(device.type))
+    chosen = _automatic.get(key)
+    if chosen is None:
+        chosen = _automatic[key] = next(name for name in _automatic_order(op, device)
+                                        if unavailable_reason(op, name, device) is None)
+    return chosen
+
+
+def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
+    """The backend that runs ``op`` on ``device`` for a call whose sizes are not measured
+    (``choose`` for a :class:`Call` without sizes)."""
+    return choose(op, Call(device, requested))[0]
+
+
+def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
+                            sizes: tuple[int, ...], extras: tuple = ()) -> str:
+    """``choose`` for a call of ``dtype`` with ``sizes`` and ``extras``: where the choice is
+    automatic on the CPU and the op measures its CPU backends, the one that measured
+    fastest for these sizes and this kind of call (:func:`measured_cpu_choice`,
+    :func:`training_call`)."""
+    return choose(op, Call(device, requested, dtype, sizes, extras))[0]
+
+
+def describe_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
+    """:func:`select_backend`'s answer as a report should state it: an automatic choice
+    that is measured per call's sizes says so."""
+    (chosen, why), _ = _decide(op, Call(device, requested), os.environ.get(ENV_VAR, ""), torch.is_grad_enabled())
+    if why == AUTOMATIC and not devices.is_gpu(device) and chosen in op.cpu_measured:
+        return f"{' or '.join(op.cpu_measured)}, whichever measured faster here for the sizes"
+    return chosen
 
 
 def measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...], extras: tuple = (),
@@ -228,7 +382,7 @@ def _measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...]
     classes = tuple(size_class(size) for size in sizes)
     # A forward-only call's class says so; a training call's keeps the key it always had.
     shape_class = (str(dtype).removeprefix("torch."), *classes, *extras) + (() if training else ("inference",))
-    choice = known(decision, shape_class)  # the per-call path: one dict lookup
+    choice = known(decision, shape_class)
     if choice is not None:
         return choice, True
     cpu = torch.device("cpu")
@@ -238,25 +392,9 @@ def _measured_cpu_choice(op: FusedOp, dtype: torch.dtype, sizes: tuple[int, ...]
         samples = op.cpu_samples(dtype, *classes, *extras, training=training)
         return {name: samples[name] for name in runnable}
 
-    choice = choose(decision, shape_class, candidates, default if default in runnable else runnable[0], runnable)
+    choice = measured_choice.choose(decision, shape_class, candidates,
+                                    default if default in runnable else runnable[0], runnable)
     return choice, known(decision, shape_class) is not None
-
-
-def select_measured_backend(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
-                            sizes: tuple[int, ...], extras: tuple = ()) -> str:
-    """:func:`select_backend`, except that where the choice is automatic on the CPU and the
-    op measures its CPU backends, the one that measured fastest for these sizes and this
-    kind of call (:func:`measured_cpu_choice`, :func:`training_call`).
-
-    This runs on every call of a fused op, so a settled answer is remembered for the
-    call's exact arguments (op, device type, ``requested``, ``TE_LAB_BACKEND``'s value,
-    dtype, sizes, extras, kind of call) outside ``use_backend`` blocks, torch.compile's
-    tracing and dispatch or function modes (whose sizes may be symbolic): a decode step's
-    ops then pay one dict lookup each."""
-    chosen = _select_measured_per_call(op, device, requested, dtype, sizes, extras)
-    for recorder in _CHOICE_RECORDERS:
-        recorder.setdefault(op.name, set()).add(chosen)
-    return chosen
 
 
 # Open recorders of :func:`recording_choices`: op name -> the backends its calls ran on.
@@ -265,73 +403,12 @@ _CHOICE_RECORDERS: list[dict[str, set]] = []
 
 @contextlib.contextmanager
 def recording_choices() -> Iterator[dict[str, set]]:
-    """Inside the block, every call whose backend is a measured choice adds it to the dict
-    yielded (op name -> the backends chosen), so a report can say what ran (``fuse`` records
-    its probes)."""
+    """Inside the block, every call of an op that measures its CPU backends adds the backend
+    chosen to the dict yielded (op name -> the backends chosen), so a report can say what
+    ran (``fuse`` records its probes)."""
     recorder: dict[str, set] = {}
     _CHOICE_RECORDERS.append(recorder)
     try:
         yield recorder
     finally:
         _CHOICE_RECORDERS.remove(recorder)
-
-
-def _select_measured_per_call(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
-                              sizes: tuple[int, ...], extras: tuple) -> str:
-    training = training_call()
-    if (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
-        return _select_measured(op, device, requested, dtype, sizes, extras, training)[0]
-    call = (op.name, device.type, requested, os.environ.get(ENV_VAR), dtype, sizes, extras, training)
-    chosen = remembered(call)
-    if chosen is None:
-        chosen, settled = _select_measured(op, device, requested, dtype, sizes, extras, training)
-        if settled:
-            remember(call, chosen)
-    return chosen
-
-
-def _select_measured(op: FusedOp, device: torch.device, requested: Optional[str], dtype: torch.dtype,
-                     sizes: tuple[int, ...], extras: tuple, training: bool) -> tuple[str, bool]:
-    chosen, automatic = _select(op, device, requested)
-    if not automatic or chosen not in op.cpu_measured or devices.is_gpu(device):
-        return chosen, True
-    return _measured_cpu_choice(op, dtype, sizes, extras, chosen, training)
-
-
-def select_backend(op: FusedOp, device: torch.device, requested: Optional[str] = None) -> str:
-    """The backend that runs ``op`` on ``device`` for this call (see the module doc)."""
-    return _select(op, device, requested)[0]
-
-
-def _select(op: FusedOp, device: torch.device, requested: Optional[str]) -> tuple[str, bool]:
-    """:func:`select_backend`'s answer, and whether it was chosen automatically."""
-    source = "backend="
-    if requested is not None:
-        _check_backend_name(requested, f"{op.name}(backend)")
-    if requested in (None, "auto"):
-        requested, source = forced_backend(op)
-    if requested not in (None, "auto"):
-        reason = unavailable_reason(op, requested, device)
-        if reason is not None:
-            raise ValueError(
-                f"{op.name}: backend {requested!r} (from {source}) cannot run on device {device}: {reason}"
-            )
-        return requested, False
-    if torch.compiler.is_compiling():  # a dict read there would be guarded on: decide afresh
-        return _automatic_backend(op, device), True
-    # The automatic choice depends only on the device type and whether Triton runs there.
-    key = (device.type, devices.triton_unavailable_reason(device.type))
-    chosen = op.automatic_backends.get(key)
-    if chosen is None:
-        chosen = op.automatic_backends[key] = _automatic_backend(op, device)
-    return chosen, True
-
-
-def _automatic_backend(op: FusedOp, device: torch.device) -> str:
-    # Triton is chosen automatically only on GPUs: the CPU interpreter is for tests.
-    order = ("triton", "native", "inductor") if devices.is_gpu(device) else (op.cpu_preference, "native", "inductor")
-    for candidate in order:
-        if unavailable_reason(op, candidate, device) is None:
-            return candidate
-    return "reference"

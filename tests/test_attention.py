@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, DTYPES, TOLERANCES, assert_close, backend_params, fused_backends, interpreted, leaf
-from te_lab.kernels import use_backend
+from te_lab.kernels import registry, use_backend
 from te_lab.kernels.attention import ATTENTION, attention, attention_reference
 
 # the module, not the function of the same name that te_lab.kernels exports
@@ -396,7 +396,7 @@ def test_profiler_sees_the_fused_op_and_its_backward():
 
 
 def test_automatic_choice_on_the_cpu_is_sdpa():
-    assert attention_module.select_backend(ATTENTION, torch.device("cpu")) == "native"
+    assert registry.select_backend(ATTENTION, torch.device("cpu")) == "native"
 
 
 def test_dropout_runs_on_native_when_chosen_automatically():
@@ -413,15 +413,20 @@ def test_dropout_runs_on_native_when_chosen_automatically():
 def test_calls_an_automatic_triton_refuses_go_to_native(monkeypatch):
     """On a GPU auto-selection picks triton; a call its kernels refuse (dropout, float64,
     heads too wide) goes to native instead of failing."""
-    monkeypatch.setattr(attention_module, "select_backend", lambda op, device, requested=None: "triton")
+    monkeypatch.setattr(registry, "_automatic_backend", lambda op, device: "triton")
+    monkeypatch.setattr(registry, "_automatic_order", lambda op, device: ("triton", "native", "inductor", "reference"))
+
+    def chosen(q, dropout_p, sinks, softcap):
+        return registry.choose(ATTENTION, attention_module._call(q, dropout_p, sinks, softcap, None))[0]
+
     q = torch.zeros(1, 1, 1, 16)
-    assert attention_module._choose_backend(q, 0.1, None, None, None) == "native"
-    assert attention_module._choose_backend(q.double(), 0.0, None, None, None) == "native"
-    assert attention_module._choose_backend(torch.zeros(1, 1, 1, 160), 0.0, None, None, None) == "native"
-    assert attention_module._choose_backend(q, 0.0, None, None, None) == "triton"
+    assert chosen(q, 0.1, None, None) == "native"
+    assert chosen(q.double(), 0.0, None, None) == "native"
+    assert chosen(torch.zeros(1, 1, 1, 160), 0.0, None, None) == "native"
+    assert chosen(q, 0.0, None, None) == "triton"
     # Soft-capping has no fused kernel; sinks with dropout need the log-sum-exp SDPA does not give.
-    assert attention_module._choose_backend(q, 0.0, None, 30.0, None) == "reference"
-    assert attention_module._choose_backend(q, 0.1, torch.zeros(1), None, None) == "reference"
+    assert chosen(q, 0.0, None, 30.0) == "reference"
+    assert chosen(q, 0.1, torch.zeros(1), None) == "reference"
 
 
 @pytest.mark.parametrize("backend", TRITON)

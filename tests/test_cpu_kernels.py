@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from te_lab.kernels import cpu_kernels, measured_choice, registered_ops, rms_norm, select_backend
+from te_lab.kernels import cpu_kernels, measured_choice, registered_ops, registry, rms_norm, select_backend
 from te_lab.kernels.registry import measured_cpu_choice, unavailable_reason
 from te_lab.kernels.rms_norm import rms_norm_reference
 
@@ -117,8 +117,7 @@ def test_the_automatic_choice_measures_cpp_against_inductor(tmp_path, monkeypatc
 
 def test_without_the_kernels_the_op_falls_back_and_a_forced_cpp_says_why(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_reasons", {"cpu": "te_lab's C++ CPU kernels could not be built here (x)"})
-    for key in list(RMS_NORM.automatic_backends):  # the remembered automatic answer, restored afterwards
-        monkeypatch.delitem(RMS_NORM.automatic_backends, key)
+    monkeypatch.setattr(registry, "_automatic", {})  # the remembered automatic answers, restored afterwards
     cpu = torch.device("cpu")
     assert unavailable_reason(RMS_NORM, "cpp", cpu).endswith("(x)")
     assert select_backend(RMS_NORM, cpu) == "inductor"
