@@ -4,6 +4,9 @@ generation benchmark's records, and ``te-lab generate``."""
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,6 +152,20 @@ def test_a_profile_of_generate_shows_prefill_and_decode_apart_and_round_trips():
     lines = profile.summary().splitlines()
     assert lines[1].startswith("prefill: 20 tokens in 1 forwards; per token eager ")
     assert lines[2].startswith("decode: 8 tokens in 4 forwards; per token eager ")
+
+
+def test_a_profile_of_generation_leaves_no_profiler_chatter_on_stderr():
+    """torch's C++ profiler prints a line on fd 2 as each profiled run starts and stops."""
+    code = ("import torch, te_lab\n"
+            "model = te_lab.models.llama('tiny', seed=0).eval()\n"
+            "prompt = torch.randint(1, 250, (1, 4), generator=torch.Generator().manual_seed(1))\n"
+            "te_lab.fuse(model, sample={'input_ids': prompt}, progress=False)\n"
+            "te_lab.profile_generation(lambda: [model(prompt) for _ in range(2)], model, runs=1)\n"
+            "print('profiled')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "profiled" in result.stdout, result.stderr[-2000:]
+    assert "USDT:" not in result.stderr
 
 
 def test_profile_generation_refuses_an_unfused_model():

@@ -29,6 +29,8 @@ from torch import nn
 from te_lab import device as devices
 from te_lab.surgery import fusions, is_fused, unfused
 
+from .chatter import without_profiler_chatter
+
 PHASES = ("prefill", "decode")
 MODES = ("eager", "fused")
 RANGE_PREFIX = "te_lab.generation::"
@@ -203,8 +205,14 @@ def profile_generation(run: Callable[[], Any], model: nn.Module, *, runs: int = 
                 run()  # warm-up: measured choices, compiling
                 recorder.ranges = True
                 recorder.reset()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+                trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                with without_profiler_chatter():  # torch's start / stop lines on fd 2
+                    trace.start()
+                try:
                     run()
+                finally:
+                    with without_profiler_chatter():
+                        trace.stop()
                 counts = _launches(trace.events())
                 launches[mode] = {phase: counts[phase] / max(recorder.tokens[phase], 1) for phase in PHASES}
     for index in range(runs):
