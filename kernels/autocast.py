@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .registry import DISPATCH_KEYS, aten_kernel_exists
+from .torch_internals import OpOverload
 
 LOWER_PRECISION = "lower_precision"
 FLOAT32 = "float32"
@@ -70,7 +71,7 @@ def _cast(value, dtype: torch.dtype, device_type: str):
     return value
 
 
-def _autocast_kernel(op: torch._ops.OpOverload, device_type: str, rule: AutocastRule):
+def _autocast_kernel(op: OpOverload, device_type: str, rule: AutocastRule):
     def kernel(*args):
         dtype = rule.cast_dtype(device_type)
         if dtype is not None:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import torch_internals as internals
+
 # How each compiled function runs, by name: "direct" (traced and lowered, called without
 # torch.compile's runtime) or "torch.compile" (the fallback, after a lowering failed).
 # te-lab info shows it.
@@ -91,10 +93,9 @@ class _Lowered:
 def _lower(fn: Callable, args: tuple, tensor_positions: list[int]) -> _Lowered:
     """Trace ``fn`` on ``args`` with symbolic sizes (the non-tensor arguments baked in) and
     lower the graph with Inductor."""
-    import torch.fx.experimental._config as fx_config
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    compile_fx_inner, select_decomp_table = internals.lowering_api()
 
     structure: list[Optional[tuple]] = []
 
@@ -112,12 +113,12 @@ def _lower(fn: Callable, args: tuple, tensor_positions: list[int]) -> _Lowered:
         # later call passes one tensor twice too.
         tensors.append(args[i].clone() if any(args[i] is seen for seen in tensors) else args[i])
     # No duck sizing: two sizes equal in the first call (a 64 x 64 input) must stay two sizes.
-    with fx_config.patch(use_duck_shape=False), torch.no_grad():
+    with internals.no_duck_shapes(), torch.no_grad():
         # Decomposed as torch.compile's own tracing does: Inductor lowers only the core ops.
         gm = make_fx(graph, decomposition_table=select_decomp_table(), tracing_mode="symbolic")(*tensors)
     placeholders = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
-    fake_mode = torch._guards.detect_fake_mode(placeholders)
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), torch.no_grad():
+    fake_mode = internals.fake_mode_of(placeholders)
+    with internals.tracing(fake_mode), torch.no_grad():
         compiled = compile_fx_inner(gm, placeholders)
     # After lowering: Inductor adds guards of its own (e.g. a row short enough for one pass).
     # Static sizes too (ignore_static=False): a size the graph took as a constant is a guard.

@@ -17,7 +17,10 @@ call on plain tensors goes straight to the implementation:
   dispatcher instead, so that the profile records it.
 
 An op whose ``backend`` argument is ``"cpp"`` goes, on that same eager path, to its C++
-overload ``te_lab::<name>.cpp``, which carries its autograd formula in C++.
+overload ``te_lab::<name>.cpp``, which carries its autograd formula in C++. An op defined
+with ``cpp=True`` defines that overload itself, with its own schema less ``backend`` (the
+C++ files only register kernels against it), and sends its ``cpp`` calls there on every
+path.
 
 Everything else goes through the dispatcher, to an autograd kernel that applies an
 equivalent Function: torch.compile's tracing (the op stays one node), autocast regions
@@ -34,11 +37,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .torch_internals import (
+    OpOverload,
+    any_autocast_enabled,
+    below_autograd,
+    dispatch_modes_active,
+    keys_after_autograd,
+    profiler_enabled,
+)
+
 # Definitions live as long as this library object.
 _LIBRARY = torch.library.Library("te_lab", "FRAGMENT")
-
-_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: any(torch.is_autocast_enabled(device_type) for device_type in ("cpu", "cuda")))
 
 
 def _needs_grad(args) -> bool:
@@ -50,12 +59,8 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 def _runs_directly(args) -> bool:
     """Whether an eager call may skip the dispatcher (see the module doc)."""
-    return not (torch.compiler.is_compiling() or _any_autocast_enabled() or torch._C._len_torch_dispatch_stack()
+    return not (torch.compiler.is_compiling() or any_autocast_enabled() or dispatch_modes_active()
                 or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args))
-
-
-def _profiling() -> bool:
-    return torch.autograd.profiler._is_profiler_enabled
 
 
 def _function(name: str, forward: Callable, backward: Callable) -> type:
@@ -66,19 +71,41 @@ def _function(name: str, forward: Callable, backward: Callable) -> type:
     return function
 
 
-class CustomOp:
-    """``te_lab::<name>``: call it like the function it was defined from."""
+_BACKEND = ", str backend"
 
-    def __init__(self, qualname: str, fn: Callable):
+
+def cpp_schema(schema: str) -> str:
+    """The schema of an op's C++ overload: the op's own, ``"(..., str backend) -> ..."``,
+    less its last argument ``backend``."""
+    arguments, arrow, returns = schema.partition(") -> ")
+    if not arguments.endswith(_BACKEND):
+        raise ValueError(f"an op with a C++ overload takes `backend: str` last; its schema is {schema!r}")
+    return arguments.removesuffix(_BACKEND) + arrow + returns
+
+
+class CustomOp:
+    """``te_lab::<name>``: call it like the function it was defined from. With ``cpp``, it
+    also defines ``te_lab::<name>.cpp`` (see the module doc)."""
+
+    def __init__(self, qualname: str, fn: Callable, *, cpp: bool = False):
         namespace, _, self.name = qualname.partition("::")
         if namespace != "te_lab" or not self.name:
             raise ValueError(f"te_lab.kernels.custom_op: expected a name 'te_lab::<op>', got {qualname!r}")
-        _LIBRARY.define(self.name + torch.library.infer_schema(fn, mutates_args=()))
-        _LIBRARY.impl(self.name, fn, "CompositeExplicitAutograd")
-        self.op: torch._ops.OpOverload = getattr(torch.ops.te_lab, self.name).default
+        self.schema = torch.library.infer_schema(fn, mutates_args=())
+        _LIBRARY.define(self.name + self.schema)
+        kernel = fn
+        self._cpp = None  # the C++ overload, False where there is none (cpp_overload)
+        if cpp:
+            _LIBRARY.define(f"{self.name}.cpp{cpp_schema(self.schema)}")
+            self._cpp = cpp_op = getattr(torch.ops.te_lab, self.name).cpp
+
+            def kernel(*args):
+                return cpp_op(*args[:-1]) if args[-1] == "cpp" else fn(*args)
+
+        _LIBRARY.impl(self.name, kernel, "CompositeExplicitAutograd")
+        self.op: OpOverload = getattr(torch.ops.te_lab, self.name).default
         self._impl = fn
         self._direct_function: Optional[type] = None
-        self._cpp = None  # the C++ overload, False where there is none (cpp_overload)
         self.__wrapped__ = fn
 
     def register_fake(self, fn: Callable) -> Callable:
@@ -96,7 +123,7 @@ class CustomOp:
             return output
 
         def dispatched_forward(ctx, *args):
-            with torch._C._AutoDispatchBelowAutograd():
+            with below_autograd():
                 output = op(*args)
             setup_context(ctx, args, output)
             return output
@@ -108,12 +135,12 @@ class CustomOp:
         def autograd_kernel(keyset, *args):
             if _needs_grad(args):
                 return dispatched.apply(*args)
-            with torch._C._AutoDispatchBelowAutograd():
-                return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+            with below_autograd():
+                return op.redispatch(keys_after_autograd(keyset), *args)
 
         _LIBRARY.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 
-    def cpp_overload(self) -> Optional[torch._ops.OpOverload]:
+    def cpp_overload(self) -> Optional[OpOverload]:
         """``te_lab::<name>.cpp``: the op's C++ kernels, autograd included
         (:mod:`te_lab.kernels.cpu_kernels`), taking the op's arguments but ``backend``; None
         for an op whose ``cpp`` backend is Python around C++ kernels (the LM head's chunks)."""
@@ -128,14 +155,21 @@ class CustomOp:
                 return self.cpp_overload()(*args[:-1])
             if self._direct_function is not None and _needs_grad(args):
                 return self._direct_function.apply(*args)
-            if not _profiling():
+            if not profiler_enabled():
                 return self._impl(*args)
         return self.op(*args)
 
 
-def custom_op(qualname: str, *, mutates_args: tuple = ()) -> Callable[[Callable], CustomOp]:
-    """Define the functional op ``qualname`` from ``fn``'s annotations (see the module doc)."""
+def define_overload(qualified: str, schema: str) -> None:
+    """Define ``te_lab::<qualified>`` (``"<op>.<overload>"``) with ``schema``: a C++
+    overload whose kernels the C++ files register (:mod:`te_lab.kernels.cpu_kernels`)."""
+    _LIBRARY.define(qualified + schema)
+
+
+def custom_op(qualname: str, *, mutates_args: tuple = (), cpp: bool = False) -> Callable[[Callable], CustomOp]:
+    """Define the functional op ``qualname`` from ``fn``'s annotations, and with ``cpp`` its
+    C++ overload (see the module doc)."""
     if mutates_args:
         raise ValueError(f"te_lab.kernels.custom_op({qualname!r}): ops that mutate their arguments "
                          "are defined with torch.library.custom_op")
-    return lambda fn: CustomOp(qualname, fn)
+    return lambda fn: CustomOp(qualname, fn, cpp=cpp)

@@ -21,15 +21,15 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_rule
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.rms_norm import COSTS
-from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
+from .op_declaration import define_op
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
+from .registry import aten_kernel_exists, select_measured_backend
 from .triton_support import (
     HAS_TRITON,
     column_block,
@@ -256,22 +256,6 @@ class _Triton:
         return dx, dw
 
 
-class _Cpp:
-    """te_lab's C++ kernels (kernels/cpp/rms_norm.cpp). An eager call reaches them through
-    the op's C++ overload, autograd and all (custom_ops); these run them for the
-    dispatched path (torch.compile, autocast, modes)."""
-
-    @staticmethod
-    def forward(x, residual, weight, eps, offset):
-        y, h, rstd = torch.ops.te_lab.rms_norm.cpp(x, residual, weight, eps, offset)
-        return y, (None if residual is None else h), rstd
-
-    @staticmethod
-    def backward(dy, dh, h, weight, rstd, offset, need_dw):
-        dx, dw = torch.ops.te_lab.rms_norm_backward.cpp(dy, dh, h, weight, rstd, offset, need_dw)
-        return dx, (dw if need_dw else None)
-
-
 def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
     public op) of a weighted RMSNorm over ``rows`` x ``n`` per CPU backend, on constant
@@ -285,53 +269,35 @@ def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True
             for name in RMS_NORM.cpu_measured}
 
 
-_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
+# ---- the op: te_lab::rms_norm and its backward, what torch.compile and the profiler see ----
+
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
-
-RMS_NORM = register_op(FusedOp(
-    name=NAME,
-    reference=rms_norm_reference,
-    implementations=_IMPLEMENTATIONS,
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    native_supports=_native_supports,
-    costs=COSTS,
-))
-
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
 _EMPTY = (0,)
 
 
-@custom_op("te_lab::rms_norm")
-def _rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
-                 weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+             weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     y, h, rstd = _IMPLEMENTATIONS[backend].forward(
         as_rows(x), None if residual is None else as_rows(residual), weight, eps, weight_offset)
     h = x.new_empty(_EMPTY) if h is None else shaped_like(h, x)
     return shaped_like(y, x), h, rstd
 
 
-@_rms_norm_op.register_fake
-def _(x, residual, weight, eps, weight_offset, backend):
+def _forward_fake(x, residual, weight, eps, weight_offset, backend):
     h = x.new_empty(_EMPTY) if residual is None else x.new_empty(x.shape)
     return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1].numel(), dtype=compute_dtype(x))
 
 
-@custom_op("te_lab::rms_norm_backward")
-def _rms_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
-                          rstd: Tensor, weight_offset: float, need_dw: bool,
-                          backend: str) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], rstd: Tensor,
+              weight_offset: float, need_dw: bool, backend: str) -> tuple[Tensor, Tensor]:
     dx, dw = _IMPLEMENTATIONS[backend].backward(
         as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, rstd, weight_offset, need_dw)
     return shaped_like(dx, h), (h.new_empty(_EMPTY) if dw is None else dw)
 
 
-@_rms_norm_backward_op.register_fake
-def _(dy, dh, h, weight, rstd, weight_offset, need_dw, backend):
+def _backward_fake(dy, dh, h, weight, rstd, weight_offset, need_dw, backend):
     return h.new_empty(h.shape), (weight.new_empty(weight.shape) if need_dw else h.new_empty(_EMPTY))
 
 
@@ -341,25 +307,27 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, rstd)
     ctx.has_residual = residual is not None
     ctx.weight_offset = weight_offset
-    ctx.backend = backend
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dh, _drstd):
+def _gradients(ctx, dy, dh, _drstd):
     h, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[2]
     if dy is None:
         dy = torch.zeros_like(h)
-    dx, dw = _rms_norm_backward_op(dy, dh if ctx.has_residual else None, h, weight, rstd,
-                                   ctx.weight_offset, need_dw, ctx.backend)
+    dx, dw = ctx.backward_op(dy, dh if ctx.has_residual else None, h, weight, rstd,
+                             ctx.weight_offset, need_dw, ctx.backend)
     return dx, (dx if ctx.has_residual else None), (dw if need_dw else None), None, None, None
 
 
-_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # As F.rms_norm under autocast: float32 where it is on autocast's float32 list (CUDA).
 AUTOCAST = AutocastRule(follows="aten::rms_norm", to=FLOAT32)
-register_autocast_rule("rms_norm", AUTOCAST)
-register_autocast_rule("rms_norm_backward")
+RMS_NORM, _rms_norm_op, _ = define_op(
+    NAME, reference=rms_norm_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    autocast=AUTOCAST, backends=_IMPLEMENTATIONS, cpp=True, cpu_preference="cpp",
+    cpu_measured=("cpp", "inductor", "reference"), cpu_samples=_cpu_samples, native_supports=_native_supports,
+    costs=COSTS)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,

@@ -2,6 +2,6 @@
 (:mod:`.model`), ATen's ops (:mod:`.aten`), and one file per te_lab op, whose ``COSTS``
 its kernel file registers with its :class:`~te_lab.kernels.registry.FusedOp`."""
 
-from .model import CostFunction, OpCost, TensorSpec
+from .model import Arguments, CostFunction, OpCost, TensorSpec
 
-__all__ = ["CostFunction", "OpCost", "TensorSpec"]
+__all__ = ["Arguments", "CostFunction", "OpCost", "TensorSpec"]

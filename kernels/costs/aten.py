@@ -39,7 +39,7 @@ _ATTENTION_KERNELS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten
                       "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention")
 
 
-def largest_input(name: str, arguments: Arguments) -> OpCost:
+def largest_input(name: str, arguments: list) -> OpCost:
     """The rule for every op without its own: output the size of the largest input."""
     tensors = [t for t in arguments if t is not None]
     largest = max(tensors, key=lambda t: t.nbytes, default=None)
@@ -54,14 +54,14 @@ def largest_input(name: str, arguments: Arguments) -> OpCost:
                           f"the largest input); {counted}")
 
 
-def _reduction(arguments: Arguments) -> Optional[OpCost]:
+def _reduction(arguments: list) -> Optional[OpCost]:
     x = at(arguments, 0)
     return reading_inputs(arguments, 0, 0 if x is None else x.numel,
                           "inputs read; output not counted (the reduced dims are not recorded, and the reduced "
                           "output is small next to the input); FLOPs: 1 per input element")
 
 
-def matmul_cost(a: Optional[TensorSpec], b: Optional[TensorSpec], arguments: Arguments) -> Optional[OpCost]:
+def matmul_cost(a: Optional[TensorSpec], b: Optional[TensorSpec], arguments: list) -> Optional[OpCost]:
     """``a @ b``: the product written in a's dtype, every tensor of ``arguments`` read."""
     fitted = None if a is None or b is None else matmul_output(a, b)
     if fitted is None:
@@ -77,7 +77,7 @@ def _matmul(first_operand: int) -> CostFunction:
     return lambda arguments: matmul_cost(at(arguments, first_operand), at(arguments, first_operand + 1), arguments)
 
 
-def _copy(arguments: Arguments) -> Optional[OpCost]:
+def _copy(arguments: list) -> Optional[OpCost]:
     # copy_(self, src): self is only written; the default rule would count it as read too.
     dst, src = at(arguments, 0), at(arguments, 1)
     if dst is None or src is None:
@@ -85,7 +85,7 @@ def _copy(arguments: Arguments) -> Optional[OpCost]:
     return OpCost(src.nbytes, dst.nbytes, 0, "src read + self written (self is not read); 0 FLOPs (data movement)")
 
 
-def attention_forward_cost(arguments: Arguments) -> Optional[OpCost]:
+def attention_forward_cost(arguments: list) -> Optional[OpCost]:
     """(q, k, v, ...) -> out like q and a log-sum-exp per query row."""
     q, k = at(arguments, 0), at(arguments, 1)
     flops = None if q is None or k is None else attention_flops(q, k)
@@ -96,7 +96,7 @@ def attention_forward_cost(arguments: Arguments) -> Optional[OpCost]:
                           f"written; {ATTENTION_FORMULA}")
 
 
-def attention_backward_cost(arguments: Arguments, q: Optional[TensorSpec], k: Optional[TensorSpec],
+def attention_backward_cost(arguments: list, q: Optional[TensorSpec], k: Optional[TensorSpec],
                             v: Optional[TensorSpec]) -> Optional[OpCost]:
     """Whatever the argument order: dq, dk, dv like q, k, v written."""
     flops = None if q is None or k is None or v is None else attention_flops(q, k)
@@ -106,21 +106,23 @@ def attention_backward_cost(arguments: Arguments, q: Optional[TensorSpec], k: Op
                           f"inputs read + dq like q, dk like k, dv like v written; {ATTENTION_FORMULA}")
 
 
-def _aten_attention_backward(arguments: Arguments) -> Optional[OpCost]:
+def _aten_attention_backward(arguments: list) -> Optional[OpCost]:
     # ATen's attention backward kernels take (grad_out, query, key, value, ...).
     return attention_backward_cost(arguments, at(arguments, 1), at(arguments, 2), at(arguments, 3))
 
 
-def _native_layer_norm(arguments: Arguments) -> Optional[OpCost]:
+def _native_layer_norm(arguments: list) -> Optional[OpCost]:
     # (input, normalized_shape, weight, bias, eps) -> (out, mean, rstd): te_lab::layer_norm's
     # outputs without a residual, so it is counted by te_lab's rule
-    return layer_norm.forward([at(arguments, 0), None, at(arguments, 2), at(arguments, 3)])
+    return layer_norm.forward(Arguments.named(x=at(arguments, 0), residual=None, weight=at(arguments, 2),
+                                              bias=at(arguments, 3)))
 
 
-def _native_layer_norm_backward(arguments: Arguments) -> Optional[OpCost]:
+def _native_layer_norm_backward(arguments: list) -> Optional[OpCost]:
     # (grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask) -> (dx, dw, db)
-    return layer_norm.backward([at(arguments, 0), None, at(arguments, 1), at(arguments, 5), at(arguments, 6),
-                                at(arguments, 3), at(arguments, 4)])
+    return layer_norm.backward(Arguments.named(dy=at(arguments, 0), dh=None, h=at(arguments, 1),
+                                               weight=at(arguments, 5), bias=at(arguments, 6),
+                                               mean=at(arguments, 3), rstd=at(arguments, 4)))
 
 
 ATEN_COSTS: dict[str, CostFunction] = {

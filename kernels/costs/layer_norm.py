@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, at, nbytes, reading_inputs
+from .model import Arguments, OpCost, nbytes, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (x, residual, weight, bias, eps, backend) -> (y, h or empty, mean, rstd)
-    x, residual = at(arguments, 0), at(arguments, 1)
+    # -> (y, h or empty, mean, rstd)
+    x = arguments.x
     if x is None:
         return None
-    with_residual = residual is not None
+    with_residual = arguments.residual is not None
     return reading_inputs(
         arguments, x.nbytes * (2 if with_residual else 1) + 2 * x.rows * x.stats_itemsize,
         x.numel * (7 + with_residual),
@@ -22,13 +22,13 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dy, dh, h, weight, bias, mean, rstd, need_dw, need_db, backend) -> (dx, dw, db)
-    h = at(arguments, 2)
+    # -> (dx, dw, db)
+    h = arguments.h
     if h is None:
         return None
     return reading_inputs(
-        arguments, h.nbytes + nbytes(at(arguments, 3)) + nbytes(at(arguments, 4)),
-        h.numel * (11 + (at(arguments, 1) is not None)),
+        arguments, h.nbytes + nbytes(arguments.weight) + nbytes(arguments.bias),
+        h.numel * (11 + (arguments.dh is not None)),
         "inputs read + dx like h, dweight like weight, dbias like bias (assumed needed when given) written; "
         "FLOPs: 11 per element of h (x_hat, dy*w, two row means, dx, dw's product and sum, db's sum), +1 with a "
         "residual gradient")

@@ -1,10 +1,11 @@
 """The cost model every op's cost is written in: what one call reads, writes and computes,
 from its arguments' shapes and element sizes alone (no data, no device).
 
-A cost function takes the call's arguments by position, each a :class:`TensorSpec` or
-None for a non-tensor (or an absent optional tensor), and returns an :class:`OpCost`, or
-None when the arguments do not fit the op (the caller then falls back to a generic
-rule). The same functions serve the profiler (specs from recorded shapes and dtypes)
+A cost function takes the call's arguments, each a :class:`TensorSpec` or None for a
+non-tensor (or an absent optional tensor): a te_lab op's as :class:`Arguments`, read by
+the names of the op's schema (``arguments.x``), ATen's by position; it returns an
+:class:`OpCost`, or None when the arguments do not fit the op (the caller then falls back
+to a generic rule). The same functions serve the profiler (specs from recorded shapes and dtypes)
 and the benchmark cases (specs from real tensors).
 
 Counting rules, shared by te_lab's ops and the ATen ops eager PyTorch runs, so that a
@@ -65,11 +66,36 @@ class TensorSpec:
         return 8 if self.itemsize == 8 else 4
 
 
-Arguments = list  # of Optional[TensorSpec], by position
-CostFunction = Callable[[Arguments], Optional[OpCost]]
+class Arguments(tuple):
+    """A te_lab op's arguments (each an Optional[TensorSpec]) in schema order, read by
+    name: ``arguments.x`` is argument ``x``, None where the call did not record it. A
+    name the schema lacks raises AttributeError."""
+
+    names: tuple[str, ...] = ()
+
+    def __new__(cls, names: tuple[str, ...], values) -> Arguments:
+        values = list(values)[:len(names)]
+        bound = super().__new__(cls, values + [None] * (len(names) - len(values)))
+        bound.names = tuple(names)
+        return bound
+
+    @classmethod
+    def named(cls, **arguments: Optional[TensorSpec]) -> Arguments:
+        """Arguments given by name (another op's arguments read as this op's)."""
+        return cls(tuple(arguments), arguments.values())
+
+    def __getattr__(self, name: str) -> Optional[TensorSpec]:
+        try:
+            return self[self.names.index(name)]
+        except ValueError:
+            raise AttributeError(f"no argument {name!r}; the op's arguments are {self.names}") from None
 
 
-def at(arguments: Arguments, index: int) -> Optional[TensorSpec]:
+CostFunction = Callable[[list], Optional[OpCost]]
+
+
+def at(arguments: list, index: int) -> Optional[TensorSpec]:
+    """An ATen op's argument ``index``, None where the call did not record it."""
     return arguments[index] if index < len(arguments) else None
 
 
@@ -77,7 +103,7 @@ def nbytes(tensor: Optional[TensorSpec]) -> int:
     return 0 if tensor is None else tensor.nbytes
 
 
-def reading_inputs(arguments: Arguments, bytes_written: int, flops: int, formula: str) -> OpCost:
+def reading_inputs(arguments: list, bytes_written: int, flops: int, formula: str) -> OpCost:
     """The usual cost: every tensor input read once, plus what the op writes."""
     return OpCost(sum(t.nbytes for t in arguments if t is not None), bytes_written, flops, formula)
 

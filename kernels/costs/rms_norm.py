@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, at, nbytes, reading_inputs
+from .model import Arguments, OpCost, nbytes, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (x, residual, weight, eps, weight_offset, backend) -> (y, h or empty, rstd)
-    x, residual = at(arguments, 0), at(arguments, 1)
+    # -> (y, h or empty, rstd)
+    x = arguments.x
     if x is None:
         return None
-    with_residual = residual is not None
+    with_residual = arguments.residual is not None
     return reading_inputs(
         arguments, x.nbytes * (2 if with_residual else 1) + x.rows * x.stats_itemsize,
         x.numel * (4 + with_residual),
@@ -21,12 +21,12 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dy, dh, h, weight, rstd, weight_offset, need_dw, backend) -> (dx, dw or empty)
-    h, weight = at(arguments, 2), at(arguments, 3)
+    # -> (dx, dw or empty)
+    h = arguments.h
     if h is None:
         return None
     return reading_inputs(
-        arguments, h.nbytes + nbytes(weight), h.numel * (8 + (at(arguments, 1) is not None)),
+        arguments, h.nbytes + nbytes(arguments.weight), h.numel * (8 + (arguments.dh is not None)),
         "inputs read + dx like h, dw like weight (assumed needed when a weight is given) written; FLOPs: 8 per "
         "element of h (x_hat, dy*w, the row dot product, dx, dw's product and sum), +1 with a residual gradient")
 

@@ -1,6 +1,7 @@
 // te_lab::rms_norm.cpp and te_lab::rms_norm_backward.cpp: RMSNorm's CPU kernels, one pass
 // over each row per direction, with the op's autograd formula in C++ so that an eager
-// call and its backward never return to Python (kernels/cpu_kernels.py builds this file).
+// call and its backward never return to Python (kernels/cpu_kernels.py builds this file;
+// kernels/rms_norm.py defines the overloads' schemas).
 //
 // Forward, per row:  h = x (+ residual);  rstd = 1 / sqrt(mean(h^2) + eps);
 //                    y = h * rstd * (weight + offset)
@@ -231,13 +232,7 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_autograd(c10::DispatchKeySet keys, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("rms_norm.cpp(Tensor x, Tensor? residual, Tensor? weight, float eps, float weight_offset)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm_backward.cpp(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor rstd,"
-        " float weight_offset, bool need_dw) -> (Tensor, Tensor)");
-}
-
+// The schemas are kernels/rms_norm.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("rms_norm.cpp", &rms_norm_forward);
   m.impl("rms_norm_backward.cpp", &rms_norm_backward);

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from te_lab import distributed
 from te_lab.kernels import FusedAdamW
+from te_lab.kernels.torch_internals import backward_keeps_graph, queue_callback
 from te_lab.profiler.regions import OPTIMIZER_PREFIX
 
 NAME = "te_lab.optim.overlap_step"
@@ -90,7 +91,7 @@ class OverlappedStep:
                     _refuse_retained_graph()
                     backward = self._open_backward = _BackwardPass(self)
                     # Runs once the whole backward pass has finished.
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                    queue_callback(self._end_backward)
                 if backward.steps:
                     self._step(name, param, backward)
         return on_gradient_final
@@ -121,9 +122,8 @@ class OverlappedStep:
 
 
 def _refuse_retained_graph() -> None:
-    # Private but long-lived (AOTAutograd reads it); a torch build without it goes unchecked.
-    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if keeps_graph is not None and keeps_graph():
+    # A torch build that cannot tell goes unchecked.
+    if backward_keeps_graph():
         raise RuntimeError(
             f"{NAME}: backward(retain_graph=True) (or create_graph=True) keeps the graph for another backward, "
             f"which would read the weights this one updates in place (autograd would refuse it, after this "

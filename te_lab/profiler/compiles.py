@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
+from te_lab.kernels.torch_internals import compile_counters
+
 FORMULA = ("compilation events while the mode's timed and profiled steps ran: Dynamo frame compiles "
            "(recompiles included) + Inductor graph compiles (FX-graph cache hits, misses, bypasses) + "
            "Triton JIT compiles; 0 means no step's time includes compiling")
@@ -27,8 +29,7 @@ _INDUCTOR_LOOKUPS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_b
 
 
 def _torch_count() -> int:
-    from torch._dynamo.utils import counters
-
+    counters = compile_counters()
     return counters["frames"]["ok"] + sum(counters["inductor"][name] for name in _INDUCTOR_LOOKUPS)
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from te_lab.kernels.costs import CostFunction, OpCost, TensorSpec
+from te_lab.kernels.costs import Arguments, CostFunction, OpCost, TensorSpec
 from te_lab.kernels.costs.aten import ATEN_COSTS, largest_input
 from te_lab.kernels.registry import registered_ops
+from te_lab.kernels.torch_internals import argument_names
 
 __all__ = ["BYTES_FORMULA", "OpCost", "cost_of", "element_size", "has_rule", "op_cost"]
 
@@ -53,7 +54,20 @@ def _te_lab_costs() -> dict[str, CostFunction]:
 
 
 def _rule(name: str) -> Optional[CostFunction]:
-    return _te_lab_costs().get(name) if name.startswith("te_lab::") else ATEN_COSTS.get(name)
+    if not name.startswith("te_lab::"):
+        return ATEN_COSTS.get(name)
+    cost = _te_lab_costs().get(name)
+    return None if cost is None else _by_name(name, cost)
+
+
+def _by_name(name: str, cost: CostFunction) -> CostFunction:
+    """te_lab's cost functions read an operator's arguments by the names of its schema; a
+    labelled region (``te_lab::adamw_step``) has no schema and is read by position."""
+    try:
+        names = argument_names(name)
+    except AttributeError:
+        return cost
+    return lambda arguments: cost(Arguments(names, arguments))
 
 
 def has_rule(name: str) -> bool:
