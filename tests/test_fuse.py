@@ -436,6 +436,25 @@ def test_register_rule_adds_a_user_fusion_tried_first():
         te_lab.FusionRule("fine", "weird", "", match)
 
 
+
+def test_the_built_in_rules_are_tried_in_the_one_listed_order_and_the_list_holds_every_rule():
+    import importlib
+    import pkgutil
+
+    import te_lab.surgery
+    from te_lab.surgery.builtin_rules import BUILT_IN_RULES
+
+    defined = {}
+    for info in pkgutil.iter_modules(te_lab.surgery.__path__):
+        module = importlib.import_module(f"te_lab.surgery.{info.name}")
+        defined.update({id(value): value for value in vars(module).values() if isinstance(value, te_lab.FusionRule)})
+    listed = {id(rule) for rule in BUILT_IN_RULES}
+    assert len(listed) == len(BUILT_IN_RULES), "a rule is listed twice"
+    assert sorted(rule.name for key, rule in defined.items() if key not in listed) == [], "defined but not listed"
+    assert set(defined) == listed
+    assert [rule for rule in te_lab.rules() if id(rule) in listed] == list(BUILT_IN_RULES)
+
+
 def _forced_backend_params():
     from te_lab.kernels import BACKENDS
 

@@ -1,13 +1,11 @@
 """Model surgery: find the layers of a model that have a fused twin, probe-verify each
 twin against the layer, swap it in place, and undo it (``te_lab.fuse`` / ``unfuse``).
 
-Importing this package registers the built-in rules, in the order they are tried.
+Importing this package registers the built-in rules, in the order of
+``builtin_rules.BUILT_IN_RULES``.
 """
 
-# The built-in rules register on import, in the order they are tried: keep this order.
-# isort: off
-from . import norm_rules, mlp_rules, moe_rules, attention_rules, lm_head_rule  # noqa: F401
-# isort: on
+from . import builtin_rules  # noqa: F401  (registers the built-in rules)
 from .fuse import fuse
 from .report import FusionReport, FusionRow, ModelCheck
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, Variant, register_rule, rules, unregister_rule

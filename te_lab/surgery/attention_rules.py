@@ -40,7 +40,7 @@ from .inspection import (
 )
 from .norm_rules import PROBE_SHAPE
 from .probe import quiet_state
-from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
+from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant
 
 # Child names of the q/k/v and output projections: separate, or one [q | k | v] projection.
 PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"),
@@ -245,10 +245,10 @@ def match_attention(module: nn.Module) -> MatchResult:
     return match_projections(module) or match_qkv_projection(module) or match_latent_attention(module)
 
 
-ATTENTION = register_builtin_rule(FusionRule(
+ATTENTION = FusionRule(
     "attention", "attention",
     "softmax attention with q/k/v/o or fused qkv projections -> block-wise fused attention (GQA, causal, masks)",
-    match_attention))
-ROPE = register_builtin_rule(FusionRule(
+    match_attention)
+ROPE = FusionRule(
     "rope", "rope", "rotary embedding of q and k in one pass, inside the fused attention twin",
-    lambda module: None, realized_by="attention"))
+    lambda module: None, realized_by="attention")

@@ -24,7 +24,7 @@ from te_lab.modules.lm_head_loss import FusedLMHeadLoss
 
 from .inspection import describe_callable, takes_argument, tensor_like
 from .probe import quiet_state
-from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
+from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant
 
 PROBE_TOKENS = (2, 16)
 
@@ -80,8 +80,8 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
                  replaces_forward=True)
 
 
-LM_HEAD_LOSS = register_builtin_rule(FusionRule(
+LM_HEAD_LOSS = FusionRule(
     "lm_head_loss", "loss",
     "causal-LM head + cross-entropy -> chunked fused linear cross-entropy when called with labels "
     "(the output's logits are then None)",
-    match_lm_head_loss))
+    match_lm_head_loss)

@@ -21,7 +21,7 @@ from te_lab.modules.mlp import FusedGatedMLP, FusedMLP
 
 from .inspection import activation_attribute, describe_callable, identify_activation, random_tensor
 from .norm_rules import PROBE_SHAPE
-from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
+from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant
 
 
 class _Parts:
@@ -124,9 +124,9 @@ def match_swiglu_mlp(module: nn.Module) -> MatchResult:
     ], _input(module, variants[0][3]))
 
 
-SWIGLU_MLP = register_builtin_rule(FusionRule(
+SWIGLU_MLP = FusionRule(
     "swiglu_mlp", "mlp", "gated MLPs down(act(gate(x)) * up(x)), SiLU or GELU (Llama, Mistral, Qwen, Gemma)",
-    match_swiglu_mlp))
-MLP = register_builtin_rule(FusionRule(
+    match_swiglu_mlp)
+MLP = FusionRule(
     "mlp", "mlp", "Linear -> GELU/SiLU [-> Linear] MLPs (GPT-2, BERT, ViT): bias + activation in one pass",
-    match_mlp))
+    match_mlp)

@@ -34,7 +34,7 @@ from te_lab.modules.moe import FusedMoE
 from .hooks import silenced
 from .inspection import describe_callable, identify_activation, random_tensor
 from .norm_rules import PROBE_SHAPE
-from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
+from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant
 
 _EXPERT_PARAMETERS = {"gate_up_proj", "down_proj"}
 _EXPERT_BIASES = {"gate_up_proj_bias", "down_proj_bias"}
@@ -177,7 +177,7 @@ def match_moe(module: nn.Module) -> MatchResult:
     return Match(variants, lambda: ProbeInputs((random_tensor(PROBE_SHAPE + (hidden,), module),)))
 
 
-MOE = register_builtin_rule(FusionRule(
+MOE = FusionRule(
     "moe", "mlp", "Mixture-of-Experts blocks: the model's router, then the experts as one fused op (grouped GEMMs); "
                   "a shared expert added (Mixtral, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V3)",
-    match_moe))
+    match_moe)

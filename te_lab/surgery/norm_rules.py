@@ -17,7 +17,7 @@ from te_lab.modules.linear_like import in_out_features, is_linear_like
 from te_lab.modules.norms import FusedLayerNorm, FusedResidualLayerNorm, FusedRMSNorm
 
 from .inspection import epsilon_of, random_tensor
-from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant, register_builtin_rule
+from .rules import FusionRule, Match, MatchResult, ProbeInputs, Skip, Variant
 
 PROBE_SHAPE = (2, 8)  # leading dims of a synthesized probe: batch 2, sequence 8
 
@@ -102,12 +102,12 @@ def match_residual_layernorm(module: nn.Module) -> MatchResult:
                                                            backend=o.backend))], example)
 
 
-RMSNORM = register_builtin_rule(FusionRule(
+RMSNORM = FusionRule(
     "rmsnorm", "norm", "nn.RMSNorm and RMSNorm-like modules (weight, eps; Gemma's 1 + weight found by the probe)",
-    match_rmsnorm))
-RESIDUAL_LAYERNORM = register_builtin_rule(FusionRule(
+    match_rmsnorm)
+RESIDUAL_LAYERNORM = FusionRule(
     "residual_layernorm", "norm",
     "projection + dropout + LayerNorm(x + residual) blocks (BERT): the add joins the norm",
-    match_residual_layernorm))
-LAYERNORM = register_builtin_rule(FusionRule(
-    "layernorm", "norm", "nn.LayerNorm and LayerNorm-like modules", match_layernorm))
+    match_residual_layernorm)
+LAYERNORM = FusionRule(
+    "layernorm", "norm", "nn.LayerNorm and LayerNorm-like modules", match_layernorm)
