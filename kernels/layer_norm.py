@@ -22,15 +22,15 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import FLOAT32, AutocastRule, inputs_cast_by, register_autocast_rule
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
-from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
+from .op_declaration import define_op
 from .precision import cast, compute_dtype, triton_compute_dtype
-from .registry import FusedOp, aten_kernel_exists, register_op, select_measured_backend
+from .registry import aten_kernel_exists, select_measured_backend
 from .triton_support import (
     HAS_TRITON,
     column_block,
@@ -310,27 +310,6 @@ class _Triton:
                 db_partial.sum(0).to(bias.dtype) if need_db else None)
 
 
-class _Cpp:
-    """The same ATen kernels as native, reached from C++ (kernels/cpp/layer_norm.cpp): an
-    eager call goes through the op's C++ overload, autograd and all (custom_ops); these
-    run it for the dispatched path (torch.compile, autocast, modes)."""
-
-    @staticmethod
-    def forward(x, residual, weight, bias, eps):
-        y, h, mean, rstd = torch.ops.te_lab.layer_norm.cpp(x, residual, weight, bias, eps)
-        return y, (None if residual is None else h), mean, rstd
-
-    @staticmethod
-    def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
-        dx, dw, db = torch.ops.te_lab.layer_norm_backward.cpp(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db)
-        return dx, (dw if need_dw else None), (db if need_db else None)
-
-
-_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
-if HAS_TRITON:
-    _IMPLEMENTATIONS["triton"] = _Triton
-
-
 def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
     public op) of an affine LayerNorm over ``rows`` x ``n`` per CPU backend, on constant
@@ -346,56 +325,37 @@ def _cpu_samples(dtype: torch.dtype, rows: int, n: int, *, training: bool = True
             for name in LAYER_NORM.cpu_measured}
 
 
-LAYER_NORM = register_op(FusedOp(
-    name=NAME,
-    reference=layer_norm_reference,
-    implementations=_IMPLEMENTATIONS,
-    # On the CPU the fastest of cpp (ATen's kernels, reached from C++), native (the same
-    # kernels through Python) and inductor is measured per class of sizes: Inductor's
-    # wrapper cost less per call than the Python path at small sizes, ATen's row
-    # reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU: native
-    # 1.13-1.21x eager, inductor 0.90-0.99x).
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "native", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    native_supports=_native_supports,
-    costs=COSTS,
-))
+# ---- the op: te_lab::layer_norm and its backward, what torch.compile and the profiler see ----
 
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
+if HAS_TRITON:
+    _IMPLEMENTATIONS["triton"] = _Triton
 _EMPTY = (0,)
 
 
-@custom_op("te_lab::layer_norm")
-def _layer_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-                   eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+             eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     y, h, mean, rstd = _IMPLEMENTATIONS[backend].forward(
         as_rows(x), None if residual is None else as_rows(residual), weight, bias, eps)
     h = x.new_empty(_EMPTY) if h is None else shaped_like(h, x)
     return shaped_like(y, x), h, mean, rstd
 
 
-@_layer_norm_op.register_fake
-def _(x, residual, weight, bias, eps, backend):
+def _forward_fake(x, residual, weight, bias, eps, backend):
     h = x.new_empty(_EMPTY) if residual is None else x.new_empty(x.shape)
     stats = x.new_empty(x.shape[:-1].numel(), dtype=compute_dtype(x))
     return x.new_empty(x.shape), h, stats, torch.empty_like(stats)
 
 
-@custom_op("te_lab::layer_norm_backward")
-def _layer_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
-                            bias: Optional[Tensor], mean: Tensor, rstd: Tensor, need_dw: bool,
-                            need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+              mean: Tensor, rstd: Tensor, need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _IMPLEMENTATIONS[backend].backward(
         as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, bias, mean, rstd, need_dw, need_db)
     return (shaped_like(dx, h), h.new_empty(_EMPTY) if dw is None else dw,
             h.new_empty(_EMPTY) if db is None else db)
 
 
-@_layer_norm_backward_op.register_fake
-def _(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db, backend):
+def _backward_fake(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db, backend):
     return (h.new_empty(h.shape), weight.new_empty(weight.shape) if need_dw else h.new_empty(_EMPTY),
             bias.new_empty(bias.shape) if need_db else h.new_empty(_EMPTY))
 
@@ -405,27 +365,36 @@ def _setup_context(ctx, inputs, output):
     _, h, mean, rstd = output
     ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
     ctx.has_residual = residual is not None
-    ctx.backend = backend
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dh, _dmean, _drstd):
+def _gradients(ctx, dy, dh, _dmean, _drstd):
     h, weight, bias, mean, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[2]
     need_db = bias is not None and ctx.needs_input_grad[3]
     if dy is None:
         dy = torch.zeros_like(h)
-    dx, dw, db = _layer_norm_backward_op(dy, dh if ctx.has_residual else None, h, weight, bias,
-                                         mean, rstd, need_dw, need_db, ctx.backend)
+    dx, dw, db = ctx.backward_op(dy, dh if ctx.has_residual else None, h, weight, bias,
+                                 mean, rstd, need_dw, need_db, ctx.backend)
     return (dx, (dx if ctx.has_residual else None), (dw if need_dw else None),
             (db if need_db else None), None, None)
 
 
-_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 # As F.layer_norm under autocast: float32 where it is on autocast's float32 list (CUDA).
 AUTOCAST = AutocastRule(follows="aten::layer_norm", to=FLOAT32)
-register_autocast_rule("layer_norm", AUTOCAST)
-register_autocast_rule("layer_norm_backward")
+LAYER_NORM, _layer_norm_op, _ = define_op(
+    NAME, reference=layer_norm_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    autocast=AUTOCAST, backends=_IMPLEMENTATIONS,
+    # The cpp backend: the same ATen kernels as native, reached from C++ (kernels/cpp/layer_norm.cpp).
+    cpp=True, cpu_preference="cpp",
+    # On the CPU the fastest of cpp (ATen's kernels, reached from C++), native (the same
+    # kernels through Python) and inductor is measured per class of sizes: Inductor's
+    # wrapper cost less per call than the Python path at small sizes, ATen's row
+    # reductions are faster at large ones (4096 x 2048 float32 on a 2-core CPU: native
+    # 1.13-1.21x eager, inductor 0.90-0.99x).
+    cpu_measured=("cpp", "native", "inductor", "reference"), cpu_samples=_cpu_samples,
+    native_supports=_native_supports, costs=COSTS)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,

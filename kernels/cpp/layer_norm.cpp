@@ -111,13 +111,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(c10::DispatchKeyS
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("layer_norm.cpp(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps)"
-        " -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("layer_norm_backward.cpp(Tensor dy, Tensor? dh, Tensor h, Tensor? weight, Tensor? bias, Tensor mean,"
-        " Tensor rstd, bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor)");
-}
-
+// The schemas are kernels/layer_norm.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("layer_norm.cpp", &layer_norm_forward);
   m.impl("layer_norm_backward.cpp", &layer_norm_backward);
