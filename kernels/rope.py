@@ -454,8 +454,12 @@ def _launch_triton(q, k, cos, sin, interleaved, layout, transpose, weights=None,
         return results()
     rotary_dim = table_shape[-1]
     pair_block = _power_of_two_at_least(rotary_dim // 2)
-    head_block = min(_power_of_two_at_least(max(heads_q, heads_k)), max(1, _TILE_ELEMENTS // pair_block))
     pass_block = _power_of_two_at_least(head_dim - rotary_dim)
+    # QK-norm keeps every column of a head live through its row's reduction (both members
+    # of each pair and the pass-through dims), the plain rotation one pair at a time.
+    columns = pair_block if weights is None else 2 * pair_block + pass_block
+    head_block = min(_power_of_two_at_least(max(heads_q, heads_k)),
+                     1 << (max(1, _TILE_ELEMENTS // columns).bit_length() - 1))
     # cos/sin are [seq, rotary_dim] or [1 or batch, seq, rotary_dim]; a batch of one broadcasts.
     table_batch_stride = cos.stride(0) if len(table_shape) == 3 and table_shape[0] == batch else 0
 
@@ -470,7 +474,7 @@ def _launch_triton(q, k, cos, sin, interleaved, layout, transpose, weights=None,
             table_batch_stride, cos.stride(-2), eps, offset,
             INTERLEAVED=interleaved, TRANSPOSE=transpose, NORM=weights is not None, HAS_PASS=rotary_dim < head_dim,
             ACC=triton_compute_dtype(q), PAIR_BLOCK=pair_block, HEAD_BLOCK=head_block,
-            PASS_BLOCK=pass_block, num_warps=num_warps_for(head_block * pair_block))
+            PASS_BLOCK=pass_block, num_warps=num_warps_for(head_block * _power_of_two_at_least(columns)))
     return results()
 
 

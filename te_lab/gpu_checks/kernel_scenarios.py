@@ -47,6 +47,7 @@ CI_SCENARIOS = frozenset([
     "attention bf16 head_dim=128", "attention fp16 head_dim=128 causal", "attention fp32 head_dim=64 causal tf32",
     "attention fp32 head_dim=128 boolean mask", "attention fp32 head_dim=64",
     "rope fp32 head_dim=128", "rope bf16 head_dim=64 interleaved", "rope fp16 head_dim=128",
+    "rope bf16 head_dim=128 qk_norm", "rope fp32 head_dim=128 qk_norm", "rope bf16 head_dim=256 qk_norm",
     "glu bf16 silu width=14336", "glu fp32 gelu_tanh width=14336 concatenated", "glu fp16 gelu width=14336",
     "bias_act bf16 gelu cols=16384", "bias_act fp32 silu cols=16384", "bias_act fp16 gelu_tanh cols=16384",
     "bias_act fp32 gelu cols=16384",
@@ -201,7 +202,8 @@ def _attention_scenarios() -> list[Scenario]:
 
 
 def _rope(dtype, head_dim: int, *, interleaved: bool = False, rotary: int = 0, layout: str = "bhsd",
-          table_dtype=None) -> Callable[[], None]:
+          table_dtype=None, qk_norm: bool = False, weight_dtype=None) -> Callable[[], None]:
+    """With ``qk_norm``, q and k are RMS-normalized per head in the same kernels (Qwen3, Gemma 3)."""
     from te_lab import kernels
 
     def run():
@@ -210,8 +212,10 @@ def _rope(dtype, head_dim: int, *, interleaved: bool = False, rotary: int = 0, l
         q, k = _leaf(*shape(32), dtype=dtype), _leaf(*shape(8), dtype=dtype)
         cos = torch.empty(seq, rotary or head_dim, dtype=table_dtype or dtype)
         sin = torch.empty(seq, rotary or head_dim, dtype=table_dtype or dtype)
-        _backward(kernels.apply_rotary(q, k, cos, sin, interleaved=interleaved, layout=layout, backend="triton"),
-                  [q, k])
+        weights = [_leaf(head_dim, dtype=weight_dtype or dtype) for _ in range(2)] if qk_norm else [None, None]
+        _backward(kernels.apply_rotary(q, k, cos, sin, interleaved=interleaved, layout=layout,
+                                       q_norm_weight=weights[0], k_norm_weight=weights[1], backend="triton"),
+                  [q, k, *weights])
     return run
 
 
@@ -227,6 +231,16 @@ def _rope_scenarios() -> list[Scenario]:
         Scenario("rope bf16 head_dim=128 rotary=32", _rope(torch.bfloat16, 128, rotary=32)),
         Scenario("rope bf16 head_dim=128 bshd", _rope(torch.bfloat16, 128, layout="bshd")),
         Scenario("rope bf16 head_dim=128 fp32 tables", _rope(torch.bfloat16, 128, table_dtype=torch.float32)),
+    ]
+    for name, dtype in DTYPES.items():
+        found.append(Scenario(f"rope {name} head_dim=128 qk_norm", _rope(dtype, 128, qk_norm=True)))
+    found += [
+        Scenario("rope bf16 head_dim=256 qk_norm", _rope(torch.bfloat16, 256, qk_norm=True)),  # Gemma 3
+        Scenario("rope bf16 head_dim=128 qk_norm fp32 weights", _rope(torch.bfloat16, 128, qk_norm=True,
+                                                                     weight_dtype=torch.float32)),
+        Scenario("rope bf16 head_dim=128 rotary=32 qk_norm interleaved",
+                 _rope(torch.bfloat16, 128, rotary=32, qk_norm=True, interleaved=True)),
+        Scenario("rope bf16 head_dim=128 bshd qk_norm", _rope(torch.bfloat16, 128, layout="bshd", qk_norm=True)),
     ]
     return found
 
