@@ -310,7 +310,7 @@ def test_the_cpp_op_refuses_tables_off_the_cpu():
     the devices it got instead of reading another device's memory."""
     q, k, cos, sin = torch.ones(1, 2, 5, 8), torch.ones(1, 1, 5, 8), torch.ones(5, 8), torch.zeros(5, 8)
     with pytest.raises(ValueError, match="rope: q, k, cos and sin must be on the CPU, got cpu, cpu, meta and meta"):
-        torch.ops.te_lab.rope.cpp(q, k, cos.to("meta"), sin.to("meta"), False, "bhsd")
+        torch.ops.te_lab.rope.cpp(q, k, cos.to("meta"), sin.to("meta"), False, "bhsd", None, None, 1e-6, 0.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
