@@ -22,15 +22,14 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
-from .autocast import register_autocast_rule
 from .checks import check_choice, check_like, check_tensor
 from .compiled import inductor_compiled
 from .costs.glu import COSTS
-from .custom_ops import custom_op
 from .layout import shaped_like
 from .measured_choice import op_sample
+from .op_declaration import define_op
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_measured_backend
+from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 if HAS_TRITON:
@@ -182,21 +181,6 @@ class _Triton:
 
 
 # No `native`: ATen has no fused gated-activation kernel.
-class _Cpp:
-    """te_lab's C++ kernels (kernels/cpp/glu.cpp). An eager call reaches them through the
-    op's C++ overload, autograd and all (custom_ops); these run them for the dispatched
-    path (torch.compile, autocast, modes)."""
-
-    @staticmethod
-    def forward(gate, up, activation):
-        return torch.ops.te_lab.glu.cpp(gate, up, activation)
-
-    @staticmethod
-    def backward(dy, gate, up, activation):
-        dgate, dup = torch.ops.te_lab.glu_backward.cpp(dy, gate, up, activation)
-        return dgate, (None if up is None else dup)
-
-
 def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
     public op) over a ``rows`` x 2``n`` gate-up input per CPU backend, on constant inputs
@@ -210,23 +194,11 @@ def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, trai
             for name in GLU.cpu_measured}
 
 
-_IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
+# ---- the op: te_lab::glu and its backward, what torch.compile and the profiler see ----
+
+_IMPLEMENTATIONS = {"inductor": _Inductor}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
-
-GLU = register_op(FusedOp(
-    name=NAME,
-    reference=glu_reference,
-    implementations=_IMPLEMENTATIONS,
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    costs=COSTS,
-))
-
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
 _EMPTY = (0,)
 
 
@@ -240,20 +212,16 @@ def _output_shape(gate: Tensor, up: Optional[Tensor]):
     return gate.shape if up is not None else gate.shape[:-1] + (gate.shape[-1] // 2,)
 
 
-@custom_op("te_lab::glu")
-def _glu_op(gate: Tensor, up: Optional[Tensor], activation: str, backend: str) -> Tensor:
+def _forward(gate: Tensor, up: Optional[Tensor], activation: str, backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(_rows(gate), None if up is None else _rows(up), activation)
     return y.view(_output_shape(gate, up)) if up is None else shaped_like(y, gate)
 
 
-@_glu_op.register_fake
-def _(gate, up, activation, backend):
+def _forward_fake(gate, up, activation, backend):
     return gate.new_empty(_output_shape(gate, up))
 
 
-@custom_op("te_lab::glu_backward")
-def _glu_backward_op(dy: Tensor, gate: Tensor, up: Optional[Tensor], activation: str,
-                     backend: str) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, gate: Tensor, up: Optional[Tensor], activation: str, backend: str) -> tuple[Tensor, Tensor]:
     """(dgate, dup); for a concatenated gate-up input (``up`` None) the first is the
     whole ``[..., 2N]`` gradient and the second is empty."""
     dgate, dup = _IMPLEMENTATIONS[backend].backward(
@@ -261,8 +229,7 @@ def _glu_backward_op(dy: Tensor, gate: Tensor, up: Optional[Tensor], activation:
     return shaped_like(dgate, gate), (gate.new_empty(_EMPTY) if up is None else shaped_like(dup, up))
 
 
-@_glu_backward_op.register_fake
-def _(dy, gate, up, activation, backend):
+def _backward_fake(dy, gate, up, activation, backend):
     return gate.new_empty(gate.shape), (gate.new_empty(_EMPTY) if up is None else up.new_empty(up.shape))
 
 
@@ -270,19 +237,20 @@ def _setup_context(ctx, inputs, output):
     gate, up, activation, backend = inputs
     ctx.save_for_backward(gate, up)
     ctx.activation = activation
-    ctx.backend = backend
 
 
-def _backward(ctx, dy):
+def _gradients(ctx, dy):
     gate, up = ctx.saved_tensors
-    dgate, dup = _glu_backward_op(dy, gate, up, ctx.activation, ctx.backend)
+    dgate, dup = ctx.backward_op(dy, gate, up, ctx.activation, ctx.backend)
     return dgate, (None if up is None else dup), None, None
 
 
-_glu_op.register_autograd(_backward, setup_context=_setup_context)
-# act(gate) * up is on no autocast list: model code runs it in the dtype of its inputs.
-register_autocast_rule("glu")
-register_autocast_rule("glu_backward")
+GLU, _glu_op, _ = define_op(
+    NAME, reference=glu_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # act(gate) * up is on no autocast list: model code runs it in the dtype of its inputs.
+    backends=_IMPLEMENTATIONS, cpp=True, cpu_preference="cpp", cpu_measured=("cpp", "inductor", "reference"),
+    cpu_samples=_cpu_samples, costs=COSTS)
 
 
 def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu", *,

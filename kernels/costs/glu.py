@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, at, nbytes, reading_inputs
+from .model import Arguments, OpCost, nbytes, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (gate, up, activation, backend) -> y like gate, or half of a concatenated gate-up
-    gate, up = at(arguments, 0), at(arguments, 1)
+    # -> y like gate, or half of a concatenated gate-up
+    gate, up = arguments.gate, arguments.up
     if gate is None:
         return None
     out_numel = gate.numel if up is not None else gate.numel // 2
@@ -19,8 +19,8 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dy, gate, up, activation, backend) -> (dgate like gate, dup like up or empty)
-    dy, gate, up = at(arguments, 0), at(arguments, 1), at(arguments, 2)
+    # -> (dgate like gate, dup like up or empty)
+    dy, gate, up = arguments.dy, arguments.gate, arguments.up
     if dy is None or gate is None:
         return None
     return reading_inputs(arguments, gate.nbytes + nbytes(up), dy.numel * 10,

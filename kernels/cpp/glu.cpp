@@ -168,11 +168,7 @@ Tensor glu_autograd(c10::DispatchKeySet keys, const Tensor& gate, const std::opt
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("glu.cpp(Tensor gate, Tensor? up, str activation) -> Tensor");
-  m.def("glu_backward.cpp(Tensor dy, Tensor gate, Tensor? up, str activation) -> (Tensor, Tensor)");
-}
-
+// The schemas are kernels/glu.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("glu.cpp", &glu_forward);
   m.impl("glu_backward.cpp", &glu_backward);
