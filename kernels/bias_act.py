@@ -24,15 +24,15 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
-from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
+from .autocast import LIKE_LINEAR, inputs_cast_by
 from .checks import check_choice, check_tensor
 from .compiled import inductor_compiled
 from .costs.bias_act import COSTS
-from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
+from .op_declaration import define_op
 from .precision import cast, compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_measured_backend
+from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, reduction_programs, tl, triton
 
 if HAS_TRITON:
@@ -214,26 +214,6 @@ class _Native:
         return cast(dz, x.dtype), dbias
 
 
-class _Cpp:
-    """te_lab's C++ kernels (kernels/cpp/bias_act.cpp): one pass each way, the bias
-    gradient summed in the backward's pass. An eager call reaches them through the op's
-    C++ overload, autograd and all (custom_ops); these run them for the dispatched path."""
-
-    @staticmethod
-    def forward(x, bias, activation):
-        return torch.ops.te_lab.bias_act.cpp(x, bias, activation)
-
-    @staticmethod
-    def backward(dy, x, bias, activation, need_dbias):
-        dx, dbias = torch.ops.te_lab.bias_act_backward.cpp(dy, x, bias, activation, need_dbias)
-        return dx, (dbias if need_dbias else None)
-
-
-_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor, "cpp": _Cpp}
-if HAS_TRITON:
-    _IMPLEMENTATIONS["triton"] = _Triton
-
-
 def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
     public op) of ``activation(x + bias)`` over ``rows`` x ``n`` per CPU backend, on
@@ -248,43 +228,29 @@ def _cpu_samples(dtype: torch.dtype, rows: int, n: int, activation: str, *, trai
             for name in BIAS_ACT.cpu_measured}
 
 
-BIAS_ACT = register_op(FusedOp(
-    name=NAME,
-    reference=bias_act_reference,
-    implementations=_IMPLEMENTATIONS,
-    # On the CPU the fastest of cpp, native and inductor is measured per class of sizes
-    # and activation.
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "native", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    costs=COSTS,
-))
+# ---- the op: te_lab::bias_act and its backward, what torch.compile and the profiler see ----
 
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
+_IMPLEMENTATIONS = {"native": _Native, "inductor": _Inductor}
+if HAS_TRITON:
+    _IMPLEMENTATIONS["triton"] = _Triton
 _EMPTY = (0,)
 
 
-@custom_op("te_lab::bias_act")
-def _bias_act_op(x: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+def _forward(x: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
     return shaped_like(_IMPLEMENTATIONS[backend].forward(as_rows(x), bias, activation), x)
 
 
-@_bias_act_op.register_fake
-def _(x, bias, activation, backend):
+def _forward_fake(x, bias, activation, backend):
     return x.new_empty(x.shape)
 
 
-@custom_op("te_lab::bias_act_backward")
-def _bias_act_backward_op(dy: Tensor, x: Tensor, bias: Optional[Tensor], activation: str,
-                          need_dbias: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _backward(dy: Tensor, x: Tensor, bias: Optional[Tensor], activation: str, need_dbias: bool,
+              backend: str) -> tuple[Tensor, Tensor]:
     dx, dbias = _IMPLEMENTATIONS[backend].backward(as_rows(dy), as_rows(x), bias, activation, need_dbias)
     return shaped_like(dx, x), (x.new_empty(_EMPTY) if dbias is None else dbias)
 
 
-@_bias_act_backward_op.register_fake
-def _(dy, x, bias, activation, need_dbias, backend):
+def _backward_fake(dy, x, bias, activation, need_dbias, backend):
     return x.new_empty(x.shape), (bias.new_empty(bias.shape) if need_dbias else x.new_empty(_EMPTY))
 
 
@@ -292,21 +258,26 @@ def _setup_context(ctx, inputs, output):
     x, bias, activation, backend = inputs
     ctx.save_for_backward(x, bias)
     ctx.activation = activation
-    ctx.backend = backend
 
 
-def _backward(ctx, dy):
+def _gradients(ctx, dy):
     x, bias = ctx.saved_tensors
     need_dbias = bias is not None and ctx.needs_input_grad[1]
-    dx, dbias = _bias_act_backward_op(dy, x, bias, ctx.activation, need_dbias, ctx.backend)
+    dx, dbias = ctx.backward_op(dy, x, bias, ctx.activation, need_dbias, ctx.backend)
     return dx, (dbias if need_dbias else None), None, None
 
 
-_bias_act_op.register_autograd(_backward, setup_context=_setup_context)
-# The bias add and the activation are on no autocast list: they run in x's dtype (the
-# GEMM before them, F.linear, is where autocast casts).
-register_autocast_rule("bias_act")
-register_autocast_rule("bias_act_backward")
+BIAS_ACT, _bias_act_op, _ = define_op(
+    NAME, reference=bias_act_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # The bias add and the activation are on no autocast list: they run in x's dtype (the
+    # GEMM before them, F.linear, is where autocast casts).
+    backends=_IMPLEMENTATIONS,
+    # cpp: one C++ pass each way (kernels/cpp/bias_act.cpp), the bias gradient summed in the
+    # backward's pass. On the CPU the fastest of cpp, native and inductor is measured per
+    # class of sizes and activation.
+    cpp=True, cpu_preference="cpp", cpu_measured=("cpp", "native", "inductor", "reference"),
+    cpu_samples=_cpu_samples, costs=COSTS)
 
 
 def _check_bias(op: str, bias, x: Tensor, length: int, length_from: str, same_dtype: bool = True) -> Tensor:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, at, nbytes, reading_inputs
+from .model import Arguments, OpCost, nbytes, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (x, bias, activation, backend) -> y like x
-    x = at(arguments, 0)
+    # -> y like x
+    x = arguments.x
     if x is None:
         return None
     return reading_inputs(arguments, x.nbytes, x.numel * 5,
@@ -18,8 +18,8 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dy, x, bias, activation, need_dbias, backend) -> (dx like x, dbias like bias or empty)
-    x, bias = at(arguments, 1), at(arguments, 2)
+    # -> (dx like x, dbias like bias or empty)
+    x, bias = arguments.x, arguments.bias
     if x is None:
         return None
     return reading_inputs(arguments, x.nbytes + nbytes(bias), x.numel * 8,

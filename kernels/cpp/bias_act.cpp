@@ -159,12 +159,7 @@ Tensor bias_act_autograd(c10::DispatchKeySet keys, const Tensor& x, const std::o
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("bias_act.cpp(Tensor x, Tensor? bias, str activation) -> Tensor");
-  m.def("bias_act_backward.cpp(Tensor dy, Tensor x, Tensor? bias, str activation, bool need_dbias)"
-        " -> (Tensor, Tensor)");
-}
-
+// The schemas are kernels/bias_act.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("bias_act.cpp", &bias_act_forward);
   m.impl("bias_act_backward.cpp", &bias_act_backward);
