@@ -34,14 +34,13 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import register_autocast_rule
 from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
 from .compiled import inductor_compiled
 from .costs.cross_entropy import COSTS
-from .custom_ops import custom_op
 from .measured_choice import op_sample, size_class
+from .op_declaration import define_op
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_measured_backend
+from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
 NAME = "cross_entropy"
@@ -206,9 +205,8 @@ class _Triton:
 # ---- cpp: te_lab's C++ kernels (kernels/cpp/cross_entropy.cpp) ----
 
 class _Cpp:
-    """An eager call reaches the kernels through the op's C++ overload, autograd and all
-    (custom_ops); this runs them for the dispatched path and for
-    fused_linear_cross_entropy's chunks, whose scratch logits take the gradient in place."""
+    """fused_linear_cross_entropy's chunks on the C++ kernels, whose scratch logits take the
+    gradient in place (te_lab::cross_entropy's own calls go to its C++ overload)."""
 
     @staticmethod
     def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
@@ -254,25 +252,13 @@ def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int, *, training: bool = 
             for name in CROSS_ENTROPY.cpu_measured}
 
 
-CROSS_ENTROPY = register_op(FusedOp(
-    name=NAME,
-    reference=cross_entropy_reference,
-    implementations=IMPLEMENTATIONS,
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    costs=COSTS,
-))
-
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
+# ---- the op: te_lab::cross_entropy and its backward, what torch.compile and the profiler see ----
 
 _EMPTY = (0,)
 
 
-@custom_op("te_lab::cross_entropy")
-def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
-                      z_loss: float, compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
+def _forward(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+             compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
     """Per-token losses of logits [tokens, vocab] and, when ``compute_grad``, their gradient
     (an empty tensor otherwise)."""
     check_labels_in_range(NAME, labels, logits.shape[-1], ignore_index)
@@ -281,14 +267,12 @@ def _cross_entropy_op(logits: Tensor, labels: Tensor, ignore_index: int, label_s
     return loss, (logits.new_empty(_EMPTY) if grad is None else grad)
 
 
-@_cross_entropy_op.register_fake
-def _(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend):
+def _forward_fake(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend):
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(_EMPTY)
     return logits.new_empty(logits.shape[0], dtype=compute_dtype(logits)), grad
 
 
-@custom_op("te_lab::cross_entropy_backward")
-def _cross_entropy_backward_op(grad_logits: Tensor, dloss: Tensor) -> Tensor:
+def _backward(grad_logits: Tensor, dloss: Tensor) -> Tensor:
     """The stored gradient scaled by each token's upstream gradient: one multiply, the
     same on every backend (an elementwise ATen kernel is already a single pass)."""
     # out= keeps the logits' dtype: the product is computed in the loss's precision and
@@ -296,8 +280,7 @@ def _cross_entropy_backward_op(grad_logits: Tensor, dloss: Tensor) -> Tensor:
     return torch.mul(grad_logits, dloss[:, None], out=torch.empty_like(grad_logits))
 
 
-@_cross_entropy_backward_op.register_fake
-def _(grad_logits, dloss):
+def _backward_fake(grad_logits, dloss):
     return grad_logits.new_empty(grad_logits.shape)
 
 
@@ -307,20 +290,30 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dloss, _dgrad):
+def _gradients(ctx, dloss, _dgrad):
     if dloss is None:
         return (None,) * 7
     (grad,) = ctx.saved_tensors
-    return _cross_entropy_backward_op(grad, dloss), None, None, None, None, None, None
+    return ctx.backward_op(grad, dloss), None, None, None, None, None, None
 
 
-_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-# F.cross_entropy is on autocast's float32 list: the logits are cast to float32 and the
-# gradient cast back. This op already computes in float32 and writes the gradient in the
-# logits' dtype, the same numbers, so casting first would only add a float32 copy of
-# the [tokens, vocab] logits.
-register_autocast_rule("cross_entropy")
-register_autocast_rule("cross_entropy_backward")
+CROSS_ENTROPY, _cross_entropy_op, _ = define_op(
+    NAME, reference=cross_entropy_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # F.cross_entropy is on autocast's float32 list: the logits are cast to float32 and the
+    # gradient cast back. This op already computes in float32 and writes the gradient in the
+    # logits' dtype, the same numbers, so casting first would only add a float32 copy of
+    # the [tokens, vocab] logits: no autocast rule.
+    backends=IMPLEMENTATIONS, cpp=True,
+    # The C++ kernels' other entry points: the backward (the C++ autograd formula calls it),
+    # the same scaling written into the stored gradient once the graph is freed, and the
+    # forward that writes the gradient over scratch logits (fused_linear_cross_entropy's chunks).
+    cpp_overloads={
+        "cross_entropy_backward.cpp": "(Tensor grad_logits, Tensor dloss) -> Tensor",
+        "cross_entropy_backward.cpp_in_place": "(Tensor(a!) grad_logits, Tensor dloss) -> Tensor(a!)",
+        "cross_entropy_over_logits.cpp": "(Tensor(a!) logits, Tensor labels, int ignore_index, float label_smoothing,"
+                                         " float z_loss) -> Tensor"},
+    cpu_preference="cpp", cpu_measured=("cpp", "inductor", "reference"), cpu_samples=_cpu_samples, costs=COSTS)
 
 
 def reduce_loss(per_token: Tensor, labels: Tensor, ignore_index: int, reduction: str) -> Tensor:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, at, reading_inputs
+from .model import Arguments, OpCost, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend)
-    #   -> (losses [tokens] float32/64, grad like logits or empty)
-    logits = at(arguments, 0)
+    # -> (losses [tokens] float32/64, grad like logits or empty)
+    logits = arguments.logits
     if logits is None:
         return None
     return reading_inputs(arguments, logits.rows * logits.stats_itemsize + logits.nbytes, logits.numel * 8,
@@ -20,8 +19,8 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (grad_logits, dloss) -> grad_logits scaled per token
-    grad = at(arguments, 0)
+    # -> grad_logits scaled per token
+    grad = arguments.grad_logits
     if grad is None:
         return None
     return reading_inputs(arguments, grad.nbytes, grad.numel,

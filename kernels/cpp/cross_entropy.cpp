@@ -253,15 +253,8 @@ std::tuple<Tensor, Tensor> cross_entropy_autograd(c10::DispatchKeySet keys, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("cross_entropy.cpp(Tensor logits, Tensor labels, int ignore_index, float label_smoothing, float z_loss,"
-        " bool compute_grad) -> (Tensor, Tensor)");
-  m.def("cross_entropy_backward.cpp(Tensor grad_logits, Tensor dloss) -> Tensor");
-  m.def("cross_entropy_backward.cpp_in_place(Tensor(a!) grad_logits, Tensor dloss) -> Tensor(a!)");
-  m.def("cross_entropy_over_logits.cpp(Tensor(a!) logits, Tensor labels, int ignore_index, float label_smoothing,"
-        " float z_loss) -> Tensor");
-}
-
+// The schemas are kernels/cross_entropy.py's (define_op): te_lab::cross_entropy's less
+// `backend`, and the other overloads as it declares them.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("cross_entropy.cpp", &cross_entropy_forward);
   m.impl("cross_entropy_backward.cpp", &cross_entropy_backward);
