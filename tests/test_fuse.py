@@ -48,7 +48,7 @@ def assert_same_training_signal(model, reference, batch):
 
 
 @pytest.mark.parametrize("family, expected", [
-    ("llama", {"rmsnorm": 2 * LAYERS + 1, "swiglu_mlp": LAYERS, "attention": LAYERS, "rope": LAYERS,
+    ("llama", {"rmsnorm": 2 * LAYERS + 1, "gated_mlp": LAYERS, "attention": LAYERS, "rope": LAYERS,
                "lm_head_loss": 1}),
     ("gpt2", {"layernorm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS, "lm_head_loss": 1}),
 ])
@@ -230,6 +230,18 @@ def test_unfused_context_runs_the_originals_then_puts_the_twins_back():
     assert model(**batch).logits is None
 
 
+
+def test_the_gated_mlp_rules_old_name_is_accepted_with_a_deprecation_warning():
+    model = models.llama("tiny", seed=9)
+    with pytest.warns(DeprecationWarning, match="'swiglu_mlp' is now called 'gated_mlp'") as warned:
+        report = te_lab.fuse(model, only=["swiglu_mlp"])
+    assert [warning.filename for warning in warned] == [__file__]  # the caller's line, not te_lab's
+    assert {row.rule for row in report.rows} == {"gated_mlp"} and len(report.fused) == LAYERS
+    te_lab.unfuse(model)
+    with pytest.warns(DeprecationWarning, match="gated_mlp"):
+        report = te_lab.fuse(model, exclude="swiglu_mlp")
+    assert "gated_mlp" not in {row.rule for row in report.rows} and report.fused
+
 def test_only_and_exclude_select_rules_and_paths():
     model = models.llama("tiny", seed=9)
     report = te_lab.fuse(model, only="rmsnorm")
@@ -238,7 +250,7 @@ def test_only_and_exclude_select_rules_and_paths():
 
     report = te_lab.fuse(model, exclude=["model.layers.0.*", "lm_head_loss"])
     assert not any(row.path.startswith("model.layers.0.") for row in report.rows)
-    assert {row.rule for row in report.rows} == {"rmsnorm", "swiglu_mlp", "attention"}
+    assert {row.rule for row in report.rows} == {"rmsnorm", "gated_mlp", "attention"}
     te_lab.unfuse(model)
 
     report = te_lab.fuse(model, only=["attention"], exclude="rope")
@@ -365,7 +377,7 @@ def test_verify_false_swaps_without_probing():
 
 def test_auto_keeps_only_measured_wins():
     model = models.llama("tiny", seed=13)
-    report = te_lab.fuse(model, only=["rmsnorm", "swiglu_mlp"], auto=True)
+    report = te_lab.fuse(model, only=["rmsnorm", "gated_mlp"], auto=True)
     assert len(report.rows) == 3 * LAYERS + 1
     for row in report.rows:
         assert row.time_original_ms > 0 and row.time_fused_ms > 0
@@ -537,7 +549,7 @@ def test_gated_mlp_layouts_are_found_by_shape_and_probe(mlp, twin_note):
     x = torch.randn(2, 5, 16)
     expected = block(x)
     (row,) = te_lab.fuse(block, sample=x).rows
-    assert (row.rule, row.status, row.variant) == ("swiglu_mlp", "fused", twin_note)
+    assert (row.rule, row.status, row.variant) == ("gated_mlp", "fused", twin_note)
     assert_close(block(x), expected)
 
 

@@ -199,7 +199,7 @@ def expected_fusions(arch, layers):
     if arch == "llama":
         per_layer = {"input_layernorm": ("rmsnorm", FusedRMSNorm),
                      "post_attention_layernorm": ("rmsnorm", FusedRMSNorm),
-                     "mlp": ("swiglu_mlp", FusedGatedMLP), "self_attn": ("attention", FusedAttention)}
+                     "mlp": ("gated_mlp", FusedGatedMLP), "self_attn": ("attention", FusedAttention)}
         prefix, extra = "model.layers", {"model.norm": ("rmsnorm", FusedRMSNorm),
                                          "": ("lm_head_loss", FusedLMHeadLoss)}
     elif arch == "gpt2":
@@ -250,7 +250,7 @@ def test_report_names_every_fused_layer(arch):
 
     counts = report.counts()
     if arch == "llama":
-        assert counts == {"rmsnorm": {"fused": 2 * layers + 1}, "swiglu_mlp": {"fused": layers},
+        assert counts == {"rmsnorm": {"fused": 2 * layers + 1}, "gated_mlp": {"fused": layers},
                           "attention": {"fused": layers}, "rope": {"fused": layers}, "lm_head_loss": {"fused": 1}}
     elif arch == "gpt2":
         assert counts == {"layernorm": {"fused": 2 * layers + 1}, "mlp": {"fused": layers},
@@ -388,7 +388,7 @@ def test_llama_built_with_eager_attention_still_matches(side):
     model, reference, report, ids, labels = fused_pair("llama", attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
     fused_rules = [row.rule for row in report.fused]
-    assert fused_rules.count("rmsnorm") == 2 * LAYERS + 1 and fused_rules.count("swiglu_mlp") == LAYERS
+    assert fused_rules.count("rmsnorm") == 2 * LAYERS + 1 and fused_rules.count("gated_mlp") == LAYERS
     assert_logits_match_where_not_padded(model, reference, ids, padding_mask(side))
     with torch.no_grad():
         assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss)
@@ -426,7 +426,7 @@ def test_bf16_llama_fuses_and_stays_within_bf16_tolerance():
     model, reference, report, ids, labels = fused_pair("llama", dtype=torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert all(row.status == "fused" for row in report.rows), str(report)
-    assert report.counts() == {"rmsnorm": {"fused": 2 * LAYERS + 1}, "swiglu_mlp": {"fused": LAYERS},
+    assert report.counts() == {"rmsnorm": {"fused": 2 * LAYERS + 1}, "gated_mlp": {"fused": LAYERS},
                                "attention": {"fused": LAYERS}, "rope": {"fused": LAYERS},
                                "lm_head_loss": {"fused": 1}}, str(report)
     model.eval()

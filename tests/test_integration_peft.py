@@ -79,7 +79,7 @@ def test_lora_llama_fuses_attention_and_mlp_in_every_layer_calling_the_adapters(
     sample = batch()
     report = te_lab.fuse(lora, sample=sample)
     counts = by_rule(report)
-    assert counts["attention"] == (LAYERS, LAYERS) and counts["swiglu_mlp"] == (LAYERS, LAYERS), report
+    assert counts["attention"] == (LAYERS, LAYERS) and counts["gated_mlp"] == (LAYERS, LAYERS), report
     assert counts["lm_head_loss"] == (1, 1) and counts["rmsnorm"] == (2 * LAYERS + 1, 2 * LAYERS + 1), report
     for layer in lora.base_model.model.model.layers:
         assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)

@@ -214,9 +214,9 @@ def test_the_trainer_callback_fuses_at_train_begin_and_trains_as_unfused(tmp_pat
 def test_the_trainer_callback_profiles_a_training_step_into_html(tmp_path, capsys):
     model = llama()
     html = tmp_path / "step.html"
-    callback = te_lab.TrainerCallback(only=["rmsnorm", "swiglu_mlp"], profile_html=html, profile_steps=2)
+    callback = te_lab.TrainerCallback(only=["rmsnorm", "gated_mlp"], profile_html=html, profile_steps=2)
     run_trainer_with_callback(model, tmp_path / "out", callback)
-    assert {row.rule for row in callback.report.fused} == {"rmsnorm", "swiglu_mlp"}
+    assert {row.rule for row in callback.report.fused} == {"rmsnorm", "gated_mlp"}
     report = callback.profile_report
     assert set(report.modes) == {"eager", "fused"} and len(report.modes["fused"].step_ms) >= 2
     assert html.exists() and "plotly" in html.read_text()

@@ -164,7 +164,7 @@ def _fused_llama_trains_like_the_original(model, batch):
     assert all(row.status == "fused" for row in report.rows), str(report)
     assert report.model_check.within_tolerance
     for row in report.rows:
-        if row.rule in ("attention", "swiglu_mlp"):
+        if row.rule in ("attention", "gated_mlp"):
             assert "te_lab::linear" in row.kernels and row.backends["linear"] == "native"
     with torch.profiler.profile() as trace:
         loss = model(**batch).loss

@@ -101,7 +101,7 @@ def check_musa_and_gpus(text: str) -> None:
 
 def check_lora_trainer(text: str) -> None:
     assert "te_lab.fuse: 10 of 10 candidate modules fused in PeftModelForCausalLM" in text
-    for rule, count in (("attention", 2), ("swiglu_mlp", 2), ("lm_head_loss", 1)):
+    for rule, count in (("attention", 2), ("gated_mlp", 2), ("lm_head_loss", 1)):
         assert f"{rule}: fused in {count} of {count} candidates" in text
     assert number_after("largest loss difference over 12 steps:", text) <= 1e-4
     assert number_after("last unfused", text) < number_after("loss: first", text)  # the adapters learned

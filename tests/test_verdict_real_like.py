@@ -110,7 +110,7 @@ def test_a_transposed_weight_is_refused_at_real_scale(monkeypatch):
     from te_lab.modules import mlp
 
     monkeypatch.setattr(mlp, "project", lambda module, x, backend: F.linear(x, module.weight.t(), module.bias))
-    report = te_lab.fuse(model, sample=sample(), only=["swiglu_mlp"], progress=False)
+    report = te_lab.fuse(model, sample=sample(), only=["gated_mlp"], progress=False)
     for layer in range(2):
         _refused(report, f"model.layers.{layer}.mlp")
 

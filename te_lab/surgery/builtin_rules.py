@@ -14,12 +14,12 @@ rule the rule modules define).
 
 from .attention_rules import ATTENTION, ROPE
 from .lm_head_rule import LM_HEAD_LOSS
-from .mlp_rules import MLP, SWIGLU_MLP
+from .mlp_rules import GATED_MLP, MLP
 from .moe_rules import MOE
 from .norm_rules import LAYERNORM, RESIDUAL_LAYERNORM, RMSNORM
 from .rules import register_builtin_rule
 
-BUILT_IN_RULES = (RMSNORM, RESIDUAL_LAYERNORM, LAYERNORM, SWIGLU_MLP, MLP, MOE, ATTENTION, ROPE, LM_HEAD_LOSS)
+BUILT_IN_RULES = (RMSNORM, RESIDUAL_LAYERNORM, LAYERNORM, GATED_MLP, MLP, MOE, ATTENTION, ROPE, LM_HEAD_LOSS)
 
 for _rule in BUILT_IN_RULES:
     register_builtin_rule(_rule)

@@ -1,5 +1,5 @@
-"""Rules for MLP blocks: ``mlp`` (Linear -> activation [-> Linear]) and ``swiglu_mlp``
-(gated: SwiGLU / GeGLU).
+"""Rules for MLP blocks: ``mlp`` (Linear -> activation [-> Linear]) and ``gated_mlp``
+(gated: SwiGLU / GeGLU; named ``swiglu_mlp`` before, which ``fuse`` still accepts).
 
 A candidate's children are projections (``nn.Linear`` or GPT-2's ``Conv1D``), at most
 one dropout and exactly one activation (a child module, or a plain function held in
@@ -78,7 +78,7 @@ def match_mlp(module: nn.Module) -> MatchResult:
         orders = [(a, b) for a, b in ((first, second), (second, first))[: 2 if square else 1]
                   if shapes[a][1] == shapes[b][0]]
         if not orders:
-            return None  # a merged gate-up pair (out = 2 x in) is swiglu_mlp's; others are not MLPs
+            return None  # a merged gate-up pair (out = 2 x in) is gated_mlp's; others are not MLPs
     if parts.activation is None:
         return parts.unsupported_activation()
     return Match([
@@ -94,7 +94,7 @@ def _gate_first(names: tuple[str, str]) -> tuple[str, str]:
     return names if "up" not in names[0] and ("gate" in names[0] or "up" in names[1]) else names[::-1]
 
 
-def match_swiglu_mlp(module: nn.Module) -> MatchResult:
+def match_gated_mlp(module: nn.Module) -> MatchResult:
     parts = _Parts(module)
     if not parts.understood or len(parts.projections) not in (2, 3):
         return None
@@ -124,9 +124,9 @@ def match_swiglu_mlp(module: nn.Module) -> MatchResult:
     ], _input(module, variants[0][3]))
 
 
-SWIGLU_MLP = FusionRule(
-    "swiglu_mlp", "mlp", "gated MLPs down(act(gate(x)) * up(x)), SiLU or GELU (Llama, Mistral, Qwen, Gemma)",
-    match_swiglu_mlp)
+GATED_MLP = FusionRule(
+    "gated_mlp", "mlp", "gated MLPs down(act(gate(x)) * up(x)), SiLU or GELU (Llama, Mistral, Qwen, Gemma)",
+    match_gated_mlp)
 MLP = FusionRule(
     "mlp", "mlp", "Linear -> GELU/SiLU [-> Linear] MLPs (GPT-2, BERT, ViT): bias + activation in one pass",
     match_mlp)

@@ -13,6 +13,8 @@ ones, so a custom fusion wins over a built-in one for the same module.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -103,6 +105,24 @@ class FusionRule:
 
 _BUILT_IN: dict[str, FusionRule] = {}
 _USER: dict[str, FusionRule] = {}
+
+# Built-in rules renamed, old name -> new: the old names are accepted, with a
+# DeprecationWarning, for one release after the rename.
+RENAMED_RULES = {"swiglu_mlp": "gated_mlp"}
+
+
+def current_rule_name(name: str) -> str:
+    """``name`` itself, or for a renamed built-in rule its new name, with a
+    DeprecationWarning pointing at the first caller outside te_lab."""
+    new = RENAMED_RULES.get(name)
+    if new is None:
+        return name
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: current_rule_name's caller
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "te_lab":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"te_lab: the rule {name!r} is now called {new!r}; the old name is deprecated and goes in the "
+                  f"next release", DeprecationWarning, stacklevel=level)
+    return new
 
 
 def register_builtin_rule(rule: FusionRule) -> FusionRule:

@@ -18,7 +18,7 @@ from torch import nn
 from te_lab.modules.base import FusedModule
 from te_lab.modules.lm_head_loss import installed_lm_head_loss
 
-from .rules import FusionRule, Match, Skip, rules
+from .rules import FusionRule, Match, Skip, current_rule_name, rules
 
 
 def _path_matches(path: str, pattern: str) -> bool:
@@ -51,6 +51,8 @@ class Selection:
         for entry in entries:
             if not isinstance(entry, str):
                 raise TypeError(f"te_lab.fuse: {argument} entries must be strings, got {entry!r}")
+            if entry not in names:
+                entry = current_rule_name(entry)
             if entry in names:
                 rule_entries.append(entry)
             elif any(_path_matches(path, entry) for path in paths):
