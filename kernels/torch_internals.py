@@ -78,6 +78,17 @@ def profiler_enabled() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+_fast_region = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+
+
+def profiler_region(name: str) -> contextlib.AbstractContextManager:
+    """A labelled region in profiler traces, as ``torch.profiler.record_function(name)``
+    records it, at about a sixth of its cost inside the region (measured on the 2-core CPU:
+    1.4 us against 7.8-20 us around an empty module): the C++ context manager torch.compile
+    uses, where torch has it; ``record_function`` otherwise."""
+    return _fast_region(name) if _fast_region is not None else torch.profiler.record_function(name)
+
+
 # ---- autograd's engine ----
 
 _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)

@@ -12,7 +12,8 @@ import contextlib
 from typing import Iterator
 
 from torch import nn
-from torch.profiler import record_function
+
+from te_lab.kernels.torch_internals import profiler_region
 
 PREFIX = "te_lab.module:"
 # One parameter's update inside backward (te_lab.optim.overlap_step): "te_lab.optimizer:<parameter name>".
@@ -29,7 +30,7 @@ def labelled(modules: dict[str, nn.Module]) -> Iterator[None]:
 
     def enter(key: str):
         def hook(module, args):
-            region = record_function(PREFIX + key)
+            region = profiler_region(PREFIX + key)
             region.__enter__()
             open_regions.setdefault(id(module), []).append(region)
         return hook
