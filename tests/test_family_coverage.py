@@ -194,22 +194,24 @@ def fused_pair(model_type):
     return _FUSED_PAIRS[model_type]
 
 
-@pytest.mark.parametrize("model_type, scope, kernels, variant", [
-    # QK-norm over each head / over the whole projection: RMSNorms run as te_lab's rms_norm
-    # unless the probe preferred the module's own (then the row says so).
-    ("qwen3", "head", {"te_lab::attention", "te_lab::rope"}, ""),
-    ("gemma3_text", "head", {"te_lab::attention", "te_lab::rope"}, ""),
-    ("olmo2", "projection", {"te_lab::attention", "te_lab::rope"}, ""),
+@pytest.mark.parametrize("model_type, scope, norms, kernels, variant", [
+    # QK-norm over each head: the RMSNorms run inside te_lab's rope (one pass over q and k);
+    # over the whole projection (OLMo 2): as te_lab's rms_norm; either unless the probe
+    # preferred the module's own (then the row says so).
+    ("qwen3", "head", "rope", {"te_lab::attention", "te_lab::rope"}, ""),
+    ("qwen3_moe", "head", "rope", {"te_lab::attention", "te_lab::rope"}, ""),
+    ("gemma3_text", "head", "rope", {"te_lab::attention", "te_lab::rope"}, ""),
+    ("olmo2", "projection", "rms_norm", {"te_lab::attention", "te_lab::rope"}, ""),
     # Sinks on the fused attention op; RoPE tables with one value per pair.
-    ("gpt_oss", None, {"te_lab::attention", "te_lab::rope"}, "rotary: rotate_half_pair_tables"),
+    ("gpt_oss", None, None, {"te_lab::attention", "te_lab::rope"}, "rotary: rotate_half_pair_tables"),
     # Interleaved pairs with per-dim tables and LayerNorm q/k norms (called as they are) /
     # with rotate-half tables and partial rotary.
-    ("cohere", "head", {"te_lab::attention", "te_lab::rope"}, "rotary: interleaved"),
-    ("glm4", None, {"te_lab::attention", "te_lab::rope"}, "rotary: interleaved_rotate_half_tables"),
+    ("cohere", "head", None, {"te_lab::attention", "te_lab::rope"}, "rotary: interleaved"),
+    ("glm4", None, None, {"te_lab::attention", "te_lab::rope"}, "rotary: interleaved_rotate_half_tables"),
     # Soft-capped scores: the softmax runs on the reference math, so the attention op is not claimed.
-    ("gemma2", None, {"te_lab::rope"}, ""),
+    ("gemma2", None, None, {"te_lab::rope"}, ""),
 ])
-def test_attention_rows_say_what_runs_fused(model_type, scope, kernels, variant):
+def test_attention_rows_say_what_runs_fused(model_type, scope, norms, kernels, variant):
     model, _, report = fused_pair(model_type)
     rows = [row for row in report.rows if row.rule == "attention"]
     assert len(rows) == layer_count(model)
@@ -222,8 +224,9 @@ def test_attention_rows_say_what_runs_fused(model_type, scope, kernels, variant)
         notes = [note for note in row.variant.split("; ") if note]
         assert notes[:1] == ([variant] if variant else notes[:1]) and set(notes) - {variant} <= {own_norms,
                                                                                               reference_rope}
-        rms_norm_fusable = model_type in ("qwen3", "gemma3_text", "olmo2")
-        assert ("te_lab::rms_norm" in row.kernels) == (rms_norm_fusable and own_norms not in notes), row.path
+        fused_norms = None if own_norms in notes or reference_rope in notes else norms
+        assert twin._norms_in_rope == (fused_norms == "rope"), row.path
+        assert ("te_lab::rms_norm" in row.kernels) == (fused_norms == "rms_norm"), row.path
         expected = kernels - ({"te_lab::rope"} if reference_rope in notes else set())
         assert set(row.kernels) - {"te_lab::linear", "te_lab::rms_norm"} == expected, row.path
 
@@ -281,7 +284,7 @@ def test_greedy_decoding_through_the_kv_cache_gives_the_unfused_tokens(model_typ
 
 TWIN_CASES = [
     ("llama", ""),
-    ("qwen3", ""),  # q/k RMSNorm per head, as te_lab's rms_norm
+    ("qwen3", ""),  # q/k RMSNorm per head, inside te_lab's rope
     ("gemma3_text", ""),  # the same with 1 + weight, a sliding-window layer
     ("olmo2", ""),  # q/k RMSNorm over the whole projection
     ("gpt_oss", "rotary: rotate_half_pair_tables"),  # attention sinks
@@ -318,7 +321,9 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
     variant = next(v for v in match.variants if v.note == note)
     twin = variant.build(BuildOptions(backend=None, enabled_rules=frozenset({"attention", "rope", "rmsnorm"})))
     assert {"te_lab::attention", "te_lab::rope"} & set(twin.kernel_names())
-    if model_type in ("qwen3", "gemma3_text", "olmo2"):
+    if model_type in ("qwen3", "gemma3_text"):
+        assert twin._norms_in_rope and "te_lab::rms_norm" not in twin.kernel_names()
+    if model_type == "olmo2":
         assert "te_lab::rms_norm" in twin.kernel_names()
     hidden = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(4)) * 3

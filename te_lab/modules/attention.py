@@ -7,7 +7,8 @@ kernel that never holds the score matrix (``attention``).
   grouped-query widths (Phi-3's ``qkv_proj``), and an output projection; RoPE from
   ``position_embeddings`` ``(cos, sin)`` in any of :data:`ROTARY_STYLES`, over all or the
   first dims of each head (partial rotary: the tables' width says how many); optional
-  q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2), attention sinks (gpt-oss), logit
+  q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2; RMSNorms over each head run inside the
+  rotation's pass), attention sinks (gpt-oss), logit
   soft-capping (Gemma 2), q/k/v clipping (OLMo) and output dropout (Starcoder2).
 - :class:`FusedQKVAttention`: one ``c_attn`` projection giving ``[q | k | v]`` and a
   ``c_proj`` (GPT-2, te_lab's demo GPT-2), no RoPE.
@@ -146,8 +147,11 @@ class FusedAttention(_FusedSelfAttention):
     whose output is ``[q | k | v]`` (``num_heads`` and ``num_kv_heads`` heads wide).
     ``rotary``: one of :data:`ROTARY_STYLES`. ``qk_norms``: the ``(q, k)`` norm children,
     applied over each head or the whole projection (``qk_norm_scope``); with
-    ``qk_rms_norms`` (``(eps, weight_offset)`` of each, found by the rule) they run as
-    te_lab's ``rms_norm`` on the children's weights, else the children are called. ``sinks``: the name
+    ``qk_rms_norms`` (``(eps, weight_offset)`` of each, found by the rule) they run on the
+    children's weights: over each head, inside the fused rotation's one pass over q and k
+    (``apply_rotary``'s norm weights); over the whole projection (OLMo 2, whose norm spans
+    every head) or without a fused rotation, as te_lab's ``rms_norm``. Otherwise the
+    children are called. ``sinks``: the name
     of a per-head Parameter of attention-sink logits. ``softcap``: scores become
     ``softcap * tanh(scores / softcap)`` (no fused kernel has it: the attention then runs
     te_lab's reference math, and the twin does not list the attention op). ``clip_qkv``:
@@ -181,10 +185,18 @@ class FusedAttention(_FusedSelfAttention):
         return self.fused_attention and self.softcap is None
 
     @property
+    def _norms_in_rope(self) -> bool:
+        """Whether the q/k RMSNorms run inside the fused rotation: per head, with one eps and
+        weight offset for both."""
+        return (self.qk_rms_norms is not None and self.qk_norm_scope == "head" and self.fused_rope
+                and self.qk_rms_norms[0] == self.qk_rms_norms[1])
+
+    @property
     def ops(self):
         # A property, not an attribute: fused ops hold functions, and a fused model pickles.
+        separate_norms = self.qk_rms_norms is not None and not self._norms_in_rope
         fused_ops = tuple(op for op, fused in ((ATTENTION, self._attention_is_fused), (ROPE, self.fused_rope),
-                                               (RMS_NORM, self.qk_rms_norms is not None)) if fused)
+                                               (RMS_NORM, separate_norms)) if fused)
         return fused_ops + self._projection_ops(*self.input_names, self.o_name)
 
     def _qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -214,8 +226,13 @@ class FusedAttention(_FusedSelfAttention):
         elif self.rotary == "interleaved_rotate_half_tables":
             half = cos.shape[-1] // 2
             cos, sin = cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+        norm = {}
+        if self._norms_in_rope:
+            (eps, weight_offset), _ = self.qk_rms_norms
+            q_weight, k_weight = (self._modules[name]._parameters["weight"] for name in self.qk_norms)
+            norm = dict(q_norm_weight=q_weight, k_norm_weight=k_weight, norm_eps=eps, norm_weight_offset=weight_offset)
         return apply_rotary(q, k, cos, sin, interleaved=self.rotary.startswith("interleaved"),
-                            backend=self.backend_for(ROPE) if self.fused_rope else "reference")
+                            backend=self.backend_for(ROPE) if self.fused_rope else "reference", **norm)
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
@@ -230,7 +247,7 @@ class FusedAttention(_FusedSelfAttention):
         if self.qk_norm_scope == "projection":
             q, k = self._norm(0, q), self._norm(1, k)
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
-        if self.qk_norm_scope == "head":
+        if self.qk_norm_scope == "head" and not self._norms_in_rope:
             q, k = self._norm(0, q), self._norm(1, k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = self._rotate(q, k, position_embeddings)
@@ -243,7 +260,7 @@ class FusedAttention(_FusedSelfAttention):
     def extra_repr(self) -> str:
         features = [f"rotary={self.rotary}"]
         if self.qk_norms is not None:
-            features.append(f"qk_norm={self.qk_norm_scope}")
+            features.append(f"qk_norm={self.qk_norm_scope}" + (" (in rope)" if self._norms_in_rope else ""))
         if self.sinks_name is not None:
             features.append("sinks")
         if self.softcap is not None:
