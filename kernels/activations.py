@@ -5,6 +5,8 @@ Inductor backends, and ``@triton.jit`` helpers used inside Triton kernels.
     gelu       0.5 x (1 + erf(x / sqrt 2))                    F.gelu(x)
     gelu_tanh  0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))  F.gelu(x, approximate="tanh")
     silu       x sigmoid(x)                                   F.silu(x)
+    relu_squared  relu(x)^2                                   ReLU-squared MLPs (Nemotron, Arcee,
+                                                              Persimmon, Nanochat: "relu2")
 
 Triton 3.2 (what MUSA ships) has no tanh in its core language, so tanh(z) is
 written as 2 sigmoid(2z) - 1.
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from .triton_support import HAS_TRITON, tl, triton
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu_squared")
 # Triton kernels take the activation as an integer constexpr.
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 
@@ -44,6 +46,8 @@ def activate(name: str, x: torch.Tensor) -> torch.Tensor:
     """The activation itself, as model code calls it."""
     if name == "silu":
         return F.silu(x)
+    if name == "relu_squared":
+        return torch.square(F.relu(x))
     return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
 
 
@@ -52,6 +56,8 @@ def activation_grad(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "silu":
         sig = torch.sigmoid(x.clamp(min=_SIGMOID_FLOOR))
         return sig * (1 + x * (1 - sig))
+    if name == "relu_squared":
+        return 2 * F.relu(x)
     if name == "gelu":
         bounded = x.clamp(-_PDF_CLAMP, _PDF_CLAMP)
         return 0.5 * (1 + torch.erf(x * _SQRT_HALF)) + bounded * torch.exp(-0.5 * bounded * bounded) * _INV_SQRT_2PI
@@ -73,8 +79,11 @@ if HAS_TRITON:
             y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # _SQRT_HALF
         elif ACTIVATION == 1:  # sqrt(2 / pi) and the cubic term's 0.044715, as F.gelu's
             y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-        else:
+        elif ACTIVATION == 2:
             y = x * tl.sigmoid(x)
+        else:
+            positive = tl.maximum(x, 0.0)
+            y = positive * positive
         return y
 
     @triton.jit
@@ -87,7 +96,9 @@ if HAS_TRITON:
         elif ACTIVATION == 1:
             t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))  # 0.134145 = 3 * 0.044715
             g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        else:
+        elif ACTIVATION == 2:
             sig = tl.sigmoid(tl.maximum(x, -80.0))  # _SIGMOID_FLOOR: no subnormals
             g = sig * (1.0 + x * (1.0 - sig))
+        else:
+            g = 2.0 * tl.maximum(x, 0.0)
         return g

@@ -207,6 +207,8 @@ class _Native:
         z = _Native._pre_activation(x, bias)
         if activation == "silu":
             dz = torch.ops.aten.silu_backward(cast(dy, z.dtype), z)
+        elif activation == "relu_squared":  # no ATen backward kernel: dy * 2 relu(z)
+            dz = cast(dy, z.dtype) * activation_grad(activation, z)
         else:
             dz = torch.ops.aten.gelu_backward(cast(dy, z.dtype), z,
                                               approximate="tanh" if activation == "gelu_tanh" else "none")

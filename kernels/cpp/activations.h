@@ -13,13 +13,14 @@
 
 namespace te_lab_cpu {
 
-enum class Activation { gelu, gelu_tanh, silu };
+enum class Activation { gelu, gelu_tanh, silu, relu_squared };
 
 inline Activation activation_named(const std::string& name) {
   if (name == "silu") return Activation::silu;
   if (name == "gelu") return Activation::gelu;
   if (name == "gelu_tanh") return Activation::gelu_tanh;
-  TORCH_CHECK_VALUE(false, "activation must be 'gelu', 'gelu_tanh' or 'silu', got '", name, "'");
+  if (name == "relu_squared") return Activation::relu_squared;
+  TORCH_CHECK_VALUE(false, "activation must be 'gelu', 'gelu_tanh', 'silu' or 'relu_squared', got '", name, "'");
 }
 
 constexpr double kSqrtHalf = 0.70710678118654752440;
@@ -76,6 +77,10 @@ Vec<Acc> activate(Activation activation, const Vec<Acc>& x) {
     case Activation::silu: return x * sigmoid(x);
     case Activation::gelu: return V(Acc(0.5)) * x * (V(Acc(1)) + erf_of<Acc>(x * V(Acc(kSqrtHalf))));
     case Activation::gelu_tanh: return V(Acc(0.5)) * x * (V(Acc(1)) + tanh_gelu_inner(x));
+    case Activation::relu_squared: {
+      const V positive = at::vec::maximum(x, V(Acc(0)));
+      return positive * positive;
+    }
   }
   return x;
 }
@@ -100,6 +105,10 @@ std::pair<Vec<Acc>, Vec<Acc>> activate_with_grad(Activation activation, const Ve
       const V grad = half * (one + t) +
                      half * x * (one - t * t) * V(Acc(kTanhScale)) * (one + V(Acc(3 * kTanhCubic)) * x * x);
       return {half * x * (one + t), grad};
+    }
+    case Activation::relu_squared: {
+      const V positive = at::vec::maximum(x, V(Acc(0)));
+      return {positive * positive, V(Acc(2)) * positive};
     }
   }
   return {x, one};

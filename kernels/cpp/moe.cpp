@@ -121,6 +121,7 @@ std::tuple<Tensor, Tensor> halves(const Tensor& h, bool interleaved) {
 
 Tensor activate(const Tensor& x, const std::string& activation) {
   if (activation == "silu") return at::silu(x);
+  if (activation == "relu_squared") return at::relu(x).square();
   return at::gelu(x, activation == "gelu_tanh" ? "tanh" : "none");
 }
 
@@ -158,8 +159,9 @@ Tensor gated_backward(const Tensor& da, const Tensor& h, const Options& o) {
     dgate = d * (u + 1) * (sig + o.alpha * g * sig * (1 - sig)) * (gate <= o.limit);
   } else {
     const Tensor up_grad = d * up;
-    dgate = o.activation == "silu" ? at::silu_backward(up_grad, gate)
-                                   : at::gelu_backward(up_grad, gate, o.activation == "gelu_tanh" ? "tanh" : "none");
+    dgate = o.activation == "silu"           ? at::silu_backward(up_grad, gate)
+            : o.activation == "relu_squared" ? up_grad * at::relu(gate) * 2
+                                             : at::gelu_backward(up_grad, gate, o.activation == "gelu_tanh" ? "tanh" : "none");
     dup = d * activate(gate, o.activation);
   }
   const Tensor dh = o.interleaved ? at::stack({dgate, dup}, -1) : at::cat({dgate, dup}, -1);

@@ -20,6 +20,7 @@ _ACTIVATION_REFERENCES: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
+    "relu_squared": lambda x: torch.square(F.relu(x)),
 }
 
 
@@ -35,7 +36,7 @@ def _evaluated(fn: Callable, x: Tensor) -> Optional[Tensor]:
 
 
 def identify_activation(fn: Callable) -> Optional[str]:
-    """The fused activation ``fn`` computes ("gelu", "gelu_tanh", "silu"), found by
+    """The fused activation ``fn`` computes ("gelu", "gelu_tanh", "silu", "relu_squared"), found by
     evaluating it, or ``None``. Exact and tanh GELU differ by up to ~5e-4 on this grid,
     far above float64 rounding, so the answer is unambiguous."""
     x = torch.linspace(-8.0, 8.0, 1601, dtype=torch.float64)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from torch import nn
 
+from te_lab.kernels.activations import ACTIVATIONS
 from te_lab.modules.linear_like import in_out_features, is_linear_like
 from te_lab.modules.mlp import FusedGatedMLP, FusedMLP
 
@@ -56,7 +57,7 @@ class _Parts:
         self.activation = identify_activation(fn)
 
     def unsupported_activation(self) -> Skip:
-        return Skip(f"activation {self.activation_label} has no fused kernel (fused: gelu, gelu_tanh, silu)")
+        return Skip(f"activation {self.activation_label} has no fused kernel (fused: {', '.join(ACTIVATIONS)})")
 
 
 def _input(module: nn.Module, width: int):
@@ -128,5 +129,6 @@ GATED_MLP = FusionRule(
     "gated_mlp", "mlp", "gated MLPs down(act(gate(x)) * up(x)), SiLU or GELU (Llama, Mistral, Qwen, Gemma)",
     match_gated_mlp)
 MLP = FusionRule(
-    "mlp", "mlp", "Linear -> GELU/SiLU [-> Linear] MLPs (GPT-2, BERT, ViT): bias + activation in one pass",
+    "mlp", "mlp", "Linear -> GELU/SiLU/ReLU^2 [-> Linear] MLPs (GPT-2, BERT, ViT, Nemotron): bias + activation in "
+    "one pass",
     match_mlp)
