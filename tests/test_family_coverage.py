@@ -55,9 +55,17 @@ FAMILIES = {
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
     "smollm3": dict(pad_token_id=0),
     "exaone4": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-    "granite": {},
+    "granite": dict(logits_scaling=4.0),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=64, bos_token_id=127,
                  eos_token_id=127),
+    # Multi-query query_key_value ([q heads | k | v]) and a `dense` output projection.
+    "falcon": dict(head_dim=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # A RoPE layer with qk_norm, a no-RoPE layer with temperature tuning and an MoE block.
+    "llama4_text": dict(num_local_experts=4, interleave_moe_layer_step=2, intermediate_size_mlp=128,
+                        no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # ReLU-squared MLPs (hidden_act "relu2").
+    "arcee": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "nemotron": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "deepseek_v3": dict(q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                         n_group=1, topk_group=1, head_dim=None),
@@ -65,17 +73,24 @@ FAMILIES = {
 # The probe's verdict on a twin that computes something else (the LM head + loss on a head
 # that transforms its logits further).
 LM_HEAD_MISSES = r"differs from the original's|from the float64 truth"
+NORM_MISSES = r"from the float64 truth"
 # model_type -> {module-path glob: what keeps it unfused}: real limits, each asserted to
 # be the row's reason (a regular expression searched in it).
 KNOWN_LIMITS = {
-    # The LM head scales the logits (logit_scale), which the fused head + loss does not.
-    "cohere": {"": LM_HEAD_MISSES},
-    # The LM head soft-caps the logits (final_logit_softcapping).
+    # The LM head soft-caps the logits (final_logit_softcapping), which the fused loss does not.
     "gemma2": {"": LM_HEAD_MISSES},
     "deepseek_v3": {"*.self_attn": r"multi-head latent attention \(MLA.*\) is not covered yet"},
+    "llama4_text": {
+        "*.self_attn": r"qk_norm \(one weightless L2 norm for q and k\) follows a rotation by complex frequencies|"
+                       r"no-RoPE layer scales q by a position-dependent temperature \(attn_temperature_tuning\)",
+        # Its router returns (scores, logits), not the (logits, weights, indices) the MoE twin calls.
+        "*.feed_forward": r"router is not one the fused block can call",
+    },
+    # LayerNorm1P normalizes with (1 + weight), which te_lab's layer_norm twin does not offset.
+    "nemotron": {"*layernorm": NORM_MISSES, "model.norm": NORM_MISSES},
 }
 # Families whose attention is recognized but not fused yet (their rows say why).
-ATTENTION_NOT_COVERED = ("deepseek_v3",)
+ATTENTION_NOT_COVERED = ("deepseek_v3", "llama4_text")
 # Reasons that are bugs of ours, never a real limit.
 BUGS = ("could not build", "probe raised", "raised", "no rule applied")
 ATTENTION_PATHS = ("*.self_attn", "*.attn")
@@ -229,6 +244,36 @@ def test_attention_rows_say_what_runs_fused(model_type, scope, norms, kernels, v
         assert ("te_lab::rms_norm" in row.kernels) == (fused_norms == "rms_norm"), row.path
         expected = kernels - ({"te_lab::rope"} if reference_rope in notes else set())
         assert set(row.kernels) - {"te_lab::linear", "te_lab::rms_norm"} == expected, row.path
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    output = model(input_ids=ids, labels=ids)
+    output.loss.backward()
+    grads = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None}
+    return output, grads
+
+
+@pytest.mark.parametrize("model_type, scale", [("cohere", 0.0625), ("granite", 0.25)])
+def test_lm_heads_that_scale_their_logits_fuse_with_the_scale(model_type, scale):
+    """Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling:
+    the fused head + loss applies the scale (to the hidden states), and the training loss
+    and every gradient are within the error budget of the float64 truth."""
+    model, unfused, report = fused_pair(model_type)
+    row = next(row for row in report.rows if row.rule == "lm_head_loss")
+    assert row.status == "fused" and row.variant == f"logits scaled by {scale:g}", (row.status, row.reason,
+                                                                                 row.variant)
+    ids = sample_ids()
+    truth_model = copy.deepcopy(unfused).double()
+    truth_model.config._experts_implementation = "eager"
+    (truth, truth_grads), (eager, eager_grads), (fused, fused_grads) = (
+        loss_and_grads(m, ids) for m in (truth_model, unfused, model))
+    assert fused.logits is None and eager.logits is not None  # the fused head + loss ran
+    assert_within_budget("loss", fused.loss.detach().double(), eager.loss.detach().double(),
+                         truth.loss.detach())
+    assert fused_grads.keys() == truth_grads.keys()
+    for name, want in truth_grads.items():
+        assert_within_budget(f"grad of {name}", fused_grads[name], eager_grads[name], want)
 
 
 def left_padded_prompts(batch):

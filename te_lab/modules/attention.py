@@ -44,7 +44,7 @@ from .projection import linear_ops, project
 # Names model libraries give the KV cache argument (Hugging Face renamed it over releases).
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Arguments whose presence (not None / not False) the fused path does not cover.
-UNCOVERED_ARGUMENTS = ("encoder_hidden_states", "head_mask", "output_attentions")
+UNCOVERED_ARGUMENTS = ("encoder_hidden_states", "head_mask", "output_attentions", "alibi")
 # Hugging Face attention implementations whose math the fused path reproduces (None: a
 # module without a config, such as te_lab's demo models, which call SDPA).
 COVERED_IMPLEMENTATIONS = (None, "sdpa", "eager")

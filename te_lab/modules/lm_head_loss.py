@@ -6,6 +6,11 @@ Called with ``labels``, the model runs its body (the decoder stack) and then
 ``logits=None``. Without labels (or with options the fused path does not cover, such as
 ``logits_to_keep``) the model's own forward runs unchanged and returns its logits.
 
+A head whose logits the model scales (Cohere's ``logits * logit_scale``, Granite's
+``logits / logits_scaling``) is fused with the scale applied where it costs least:
+``(hidden * s) @ W^T + bias * s`` is ``s * (hidden @ W^T + bias)``, so the hidden states
+(``[tokens, hidden]``, not ``[tokens, vocab]``) are scaled before the fused loss.
+
 The loss is Hugging Face's causal-LM convention: position ``t`` predicts label
 ``t + 1`` (or ``shift_labels``, when given, are the targets as they are), ``-100`` is
 ignored, the mean is over labelled tokens (a sum divided by ``num_items_in_batch`` when
@@ -43,14 +48,16 @@ class FusedLMHeadLoss:
     """Installed as ``model.forward`` (an instance attribute) by :func:`te_lab.fuse`.
 
     ``head`` and ``body`` name the model's children (``lm_head`` and its
-    ``base_model_prefix``); ``output_type`` is the class of the model's output.
+    ``base_model_prefix``); ``output_type`` is the class of the model's output;
+    ``logit_scale`` the factor the model multiplies its logits by (1: none).
     """
 
     ops = (FUSED_LINEAR_CROSS_ENTROPY,)
 
-    def __init__(self, model: nn.Module, *, head: str, body: str, output_type: type,
+    def __init__(self, model: nn.Module, *, head: str, body: str, output_type: type, logit_scale: float = 1.0,
                  backend: Optional[str] = None):
         self.model = model
+        self.logit_scale = float(logit_scale)
         self.head_name, self.body_name = head, body
         self.output_type = output_type
         self.backend = backend if backend in FUSED_LINEAR_CROSS_ENTROPY.backends() else None
@@ -81,6 +88,9 @@ class FusedLMHeadLoss:
         body_output = body(**{name: value for name, value in named.items() if accepts(self._body_signature, name)})
         hidden = _last_hidden_state(body_output)
         weight, bias = linear_weight(self.model._modules[self.head_name])
+        if self.logit_scale != 1.0:
+            hidden = hidden * self.logit_scale
+            bias = None if bias is None else bias * self.logit_scale
         if targets is None:
             targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
         loss = fused_linear_cross_entropy(hidden, weight, targets.to(hidden.device), bias, ignore_index=IGNORE_INDEX,

@@ -5,7 +5,8 @@ attention itself stays on the reference math).
 Two layouts are recognized by their children: q/k/v projections (separate, or one
 ``qkv_proj`` with grouped-query widths) and an output projection, with a forward taking
 ``position_embeddings`` (RoPE: Llama, Mistral, Qwen, Gemma, OLMo, Phi-3, GLM-4, gpt-oss,
-...), and one ``c_attn`` projection with a ``c_proj`` (GPT-2). Head counts come from the
+Falcon's multi-query ``query_key_value``, ...), and one ``c_attn`` projection with a
+``c_proj`` (GPT-2). Head counts come from the
 projection widths and the module's ``head_dim`` / head-count attributes; scaling,
 causality, dropout, soft-capping (``attn_logit_softcapping``), output dropout
 (``residual_dropout``) and q/k/v clipping (``config.clip_qkv``) from its attributes;
@@ -13,8 +14,12 @@ q/k norms (QK-norm) and attention sinks from its children and parameters. Slidin
 need nothing of the rule: they are in the masks the model passes each layer. How the
 module rotates q and k (rotate-half, interleaved, or not at all) is left to the probe,
 which keeps the first rotation that reproduces it; so is everything else it does.
-Multi-head latent attention (DeepSeek-V3's MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``) is
-recognized and skipped: not covered yet.
+Recognized and skipped, each row saying why: multi-head latent attention (DeepSeek-V3's
+MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``); a fused projection that interleaves q, k and
+v per head or per key-value group (Falcon's ``multi_query=False`` and
+``new_decoder_architecture``); ALiBi biases (``config.alibi``); Llama 4's ``qk_norm``
+after a rotation by complex frequencies, and its no-RoPE layers' position-dependent
+temperature on q (``attn_temperature_tuning``).
 """
 
 from __future__ import annotations
@@ -44,11 +49,13 @@ from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Sk
 
 # Child names of the q/k/v and output projections: separate, or one [q | k | v] projection.
 PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"),
-                    ("q_proj", "k_proj", "v_proj", "dense"), ("qkv_proj", "o_proj"))
+                    ("q_proj", "k_proj", "v_proj", "dense"), ("qkv_proj", "o_proj"), ("query_key_value", "dense"))
 # Child names of q/k norms (QK-norm), called by the twin as the original calls them.
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
 # Parameters of the module's own the twin applies: per-head attention-sink logits (gpt-oss).
 SINK_NAMES = ("sinks",)
+# Dropout children on the attention probabilities, whose p the twin applies.
+DROPOUT_NAMES = ("attn_dropout", "attention_dropout")
 
 
 def _returns_tuple(module: nn.Module, inputs: ProbeInputs) -> bool:
@@ -66,7 +73,7 @@ def _attention_output(output) -> list:
 
 def _common_options(module: nn.Module, head_dim: int, num_heads: int, num_kv_heads: int, scaling: float,
                     example: ProbeInputs) -> dict:
-    dropout = module._modules.get("attn_dropout")
+    dropout = next((module._modules[name] for name in DROPOUT_NAMES if name in module._modules), None)
     dropout_p = dropout.p if isinstance(dropout, nn.Dropout) else float_attribute(module, "attention_dropout", 0.0)
     return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scaling=scaling,
                 is_causal=bool(getattr(module, "is_causal", True)), dropout_p=dropout_p,
@@ -118,7 +125,7 @@ def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[int]:
 
 def _rotary_styles(module: nn.Module) -> tuple[str, ...]:
     """The rotations to try, most common first; the probe keeps the one the module computes."""
-    if getattr(module, "use_rope", True) is False:  # SmolLM3's no-RoPE layers
+    if not getattr(module, "use_rope", True):  # SmolLM3's no-RoPE layers
         return ("none",)
     return ROTARY_STYLES
 
@@ -127,18 +134,41 @@ def _optional_float(value) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
+def _unsupported_positions(module: nn.Module) -> Optional[Skip]:
+    """Position schemes the twin does not apply, read off the module's attributes and
+    children: ALiBi, Llama 4's rotation by complex frequencies followed by its ``qk_norm``,
+    and the position-dependent temperature on q of its no-RoPE layers."""
+    if getattr(getattr(module, "config", None), "alibi", False) is True:
+        return Skip("ALiBi position biases (config.alibi) are not covered")
+    if "qk_norm" in module._modules:
+        return Skip("its qk_norm (one weightless L2 norm for q and k) follows a rotation by complex frequencies "
+                    "(position_embeddings is freqs_cis), which the fused attention does not cover yet")
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        return Skip("its no-RoPE layer scales q by a position-dependent temperature (attn_temperature_tuning), "
+                    "which the fused attention does not apply")
+    return None
+
+
 def match_projections(module: nn.Module) -> MatchResult:
     names = next((n for n in PROJECTION_NAMES if all(is_linear_like(module._modules.get(p)) for p in n)), None)
     if names is None or not takes_argument(module, "position_embeddings"):
         return None
+    unsupported = _unsupported_positions(module)
+    if unsupported is not None:
+        return unsupported
     norms = next((n for n in QK_NORM_NAMES if all(name in module._modules for name in n)), None)
-    extra = sorted(set(module._modules) - set(names) - set(norms or ()))
+    dropouts = {name for name in DROPOUT_NAMES if isinstance(module._modules.get(name), nn.Dropout)}
+    extra = sorted(set(module._modules) - set(names) - set(norms or ()) - dropouts)
     own = sorted(set(module._parameters) - set(SINK_NAMES))
     if extra or own:
         what = ", ".join(extra) if extra else f"parameters of its own ({', '.join(own)})"
         return Skip(f"has {what} beyond the q/k/v/o projections, q/k norms and sinks, which the fused attention "
                     f"does not apply")
     fused_qkv = len(names) == 2
+    if fused_qkv and (getattr(module, "new_decoder_architecture", False) or getattr(module, "multi_query", True)
+                      is False):
+        return Skip(f"its {names[0]} interleaves q, k and v per head (multi_query=False) or per key-value group "
+                    f"(new_decoder_architecture), which the fused attention's [q | k | v] split does not read yet")
     hidden, qkv_width = in_out_features(module._modules[names[0]])
     q_width = in_out_features(module._modules[names[-1]])[0]
     head_dim = _head_dim(module, q_width)

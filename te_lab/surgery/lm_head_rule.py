@@ -6,14 +6,17 @@ A candidate has an ``lm_head`` projection, a body child named by its
 a forward that takes ``labels`` and an output object with ``loss`` and ``logits``
 fields. The probe runs the whole model with labels and compares the loss and every
 parameter gradient; labels are added to a captured call that lacks them (the inputs
-shifted by one, as for language-model training). An ``lm_head`` that stands in for a
-Linear (a LoRA layer) and a model whose forward someone else has wrapped are skipped
-with the reason.
+shifted by one, as for language-model training). A model with a logit scale among its
+attributes (Cohere's ``logit_scale``, a factor; Granite's ``config.logits_scaling``, a
+divisor) is offered the head with that scale applied first, then without; the probe
+keeps the one that reproduces it. An ``lm_head`` that stands in for a Linear (a LoRA
+layer) and a model whose forward someone else has wrapped are skipped with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +46,23 @@ def _loss_only(output) -> list[Tensor]:
     return [] if loss is None else [loss]
 
 
+def _number(value) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def logit_scales(module: nn.Module) -> tuple[float, ...]:
+    """The factors the model may multiply its logits by, read off its attributes (not 1):
+    Cohere's ``logit_scale`` and the inverse of Granite's ``config.logits_scaling``."""
+    scales = []
+    factor = _number(getattr(module, "logit_scale", None))
+    if factor is not None and factor != 1.0:
+        scales.append(factor)
+    divisor = _number(getattr(getattr(module, "config", None), "logits_scaling", None))
+    if divisor not in (None, 0.0, 1.0):
+        scales.append(1.0 / divisor)
+    return tuple(scales)
+
+
 def match_lm_head_loss(module: nn.Module) -> MatchResult:
     head = module._modules.get("lm_head")
     body_name = getattr(module, "base_model_prefix", None)
@@ -66,18 +86,20 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
         ids = torch.randint(0, vocab, PROBE_TOKENS, generator=generator).to(device)
         return ProbeInputs((), {"input_ids": ids, "labels": ids.clone()})
 
-    def build(options: BuildOptions) -> FusedLMHeadLoss:
-        with quiet_state([module], device), torch.no_grad():
-            output = call_with(module, example())
-        names = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
-        if not {"loss", "logits"} <= names:
-            raise TypeError(f"{type(module).__name__} returns {type(output).__name__}, not an output object with "
-                            f"loss and logits fields, which the fused forward fills in")
-        return FusedLMHeadLoss(module, head="lm_head", body=body_name, output_type=type(output),
-                               backend=options.backend)
+    def variant(logit_scale: float) -> Variant:
+        def build(options: BuildOptions) -> FusedLMHeadLoss:
+            with quiet_state([module], device), torch.no_grad():
+                output = call_with(module, example())
+            names = {field.name for field in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else set()
+            if not {"loss", "logits"} <= names:
+                raise TypeError(f"{type(module).__name__} returns {type(output).__name__}, not an output object with "
+                                f"loss and logits fields, which the fused forward fills in")
+            return FusedLMHeadLoss(module, head="lm_head", body=body_name, output_type=type(output),
+                                   logit_scale=logit_scale, backend=options.backend)
+        return Variant(build, note="" if logit_scale == 1.0 else f"logits scaled by {logit_scale:g}")
 
-    return Match([Variant(build)], example, complete_inputs=_with_labels, probe_outputs=_loss_only,
-                 replaces_forward=True)
+    return Match([variant(scale) for scale in (*logit_scales(module), 1.0)], example, complete_inputs=_with_labels,
+                 probe_outputs=_loss_only, replaces_forward=True)
 
 
 LM_HEAD_LOSS = FusionRule(
