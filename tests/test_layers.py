@@ -88,6 +88,16 @@ def test_the_layer_table_reads_imports_as_python_does():
     assert _layer_of("te_lab.profiler.engine") < _layer_of("te_lab.widgets.dashboard") < _layer_of("te_lab.cli.demo")
 
 
+def test_torch_internals_and_the_op_declaration_sit_in_the_kernels_layer():
+    # Every private torch API goes through torch_internals, which leans on no te_lab module;
+    # the op declaration (define_op) is what each op's file imports.
+    internals = "te_lab.kernels.torch_internals"
+    assert _layer_of(internals) == _layer_of("te_lab.kernels.op_declaration") == _layer_of("te_lab.kernels")
+    assert _imported(internals, MODULES[internals]) == []
+    assert any(name == "te_lab.kernels.op_declaration"
+               for _, name in _imported("te_lab.kernels.rms_norm", MODULES["te_lab.kernels.rms_norm"]))
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_from_a_higher_layer(module):
     rank = _layer_of(module)
