@@ -122,7 +122,9 @@ def host_ops_by_id(events) -> dict[int, object]:
             if e.device_type() == DeviceType.CPU and e.linked_correlation_id() == 0}
 
 
-def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> StepTrace:
+def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs: bool = True) -> StepTrace:
+    """``profiler``'s step attributed (see the module doc); ``costs``: the step recorded
+    shapes and FLOPs, and bytes moved and FLOPs are summed per key (else they stay 0)."""
     events = [e for e in profiler.events() if e.device_type == DeviceType.CPU]
     kineto = host_ops_by_id(profiler.profiler.kineto_results.events())
     trace = StepTrace()
@@ -186,7 +188,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool) -> Ste
             else:
                 region.backward_ms += duration_us / 1e3
             trace.attributed_us += duration_us
-        for worker in _cost_events(event):
+        for worker in (_cost_events(event) if costs else ()):
             recorded = kineto.get(worker.id)
             if recorded is None:
                 continue

@@ -16,8 +16,10 @@ gradient all-reduce runs and is measured (``.grad`` is put back as it was; with
 communication; in a distributed run the report records its rank (``report.save``
 writes ``report.rank<r>.json``).
 Timed steps run without the profiler (warm-up first, modes alternating which goes
-first each round); then profiled steps per mode give the attribution, launches, bytes,
-timeline and memory. Module times are rescaled so each mode's modules and "(other)" add
+first each round); then one detail step per mode records shapes, FLOPs and memory (bytes
+moved, FLOPs, input shapes, peak memory), and profiled steps that record times alone,
+which cost the profiler a tenth as much per op, give the attribution, launches and
+timeline (see :mod:`.correction`). Module times are rescaled so each mode's modules and "(other)" add
 up to its unprofiled step (:mod:`.correction`), and compilations during timed or
 profiled steps are counted per mode (:mod:`.compiles`). The RNG state, parameters and
 gradients are left as found.
@@ -413,21 +415,24 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                     break
                 pair_s = (time.perf_counter() - started) / index
                 planned["timed"] = max(index + 1, min(MAX_AUTO_PAIRS, int(budget_s / pair_s) if pair_s > 0 else 0))
-        runs = {mode.name: [] for mode in modes}
-        # One profiled step per mode is thrown away first: the profiler's first session in
-        # a process, and the first call of each compiled graph under it, cost up to
-        # hundreds of ms that land on whichever op runs first. The fused one records the
-        # expert load of fused MoE blocks, if any (.expert_load), where counting costs nothing.
+        runs, details = {mode.name: [] for mode in modes}, {}
+        # The first profiled step per mode gives the details (shapes, bytes, FLOPs, memory),
+        # not times: the profiler's first session in a process, and the first call of each
+        # compiled graph under it, cost up to hundreds of ms that land on whichever op runs
+        # first. The fused one records the expert load of fused MoE blocks, if any
+        # (.expert_load), where counting costs nothing.
         for index in range(-1, profiled_steps):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
                 with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
                     profiled = _profiled_step(mode if index >= 0 or mode.name != "fused" else dataclasses.replace(
-                        mode, run=expert_load.recording(mode.run)), backward, dev)
+                        mode, run=expert_load.recording(mode.run)), backward, dev, detail=index < 0)
                 if index >= 0:
                     runs[mode.name].append(profiled)
+                else:
+                    details[mode.name] = profiled
                 advance()
         per_round = _per_round_totals(runs)
-        traces = {name: _median_run(profiled) for name, profiled in runs.items()}
+        traces = {name: _with_details(_median_run(profiled), details[name]) for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = _summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
         report.modes[mode.name].compiles = compile_counters[mode.name].count
@@ -523,15 +528,19 @@ class _Profiled:
     peak_memory_source: str
 
 
-def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profiled:
+def _profiled_step(mode: _Mode, backward: bool, device: torch.device, detail: bool) -> _Profiled:
+    """One step under the profiler. ``detail``: record shapes, FLOPs and memory too, which
+    costs about ten times more per op event than the times alone (see :mod:`.correction`):
+    the steps that time modules leave them out, and one detail step per mode gives bytes
+    moved, FLOPs, input shapes and peak memory (:func:`_with_details`)."""
     with mode.context():
         with regions.labelled(mode.labels()):
             if devices.is_gpu(device):
                 devices.synchronize(device)
                 devices.reset_peak_memory_stats(device)
                 before = devices.memory_allocated(device)
-            profiler = torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=True,
-                                              with_flops=True, profile_memory=True)
+            profiler = torch.profiler.profile(activities=devices.profiler_activities(device), record_shapes=detail,
+                                              with_flops=detail, profile_memory=detail)
             with without_profiler_chatter():
                 profiler.start()
             try:
@@ -540,7 +549,7 @@ def _profiled_step(mode: _Mode, backward: bool, device: torch.device) -> _Profil
                 with without_profiler_chatter():
                     profiler.stop()
             trace_files.export(profiler, mode.name)
-            trace = attribute(profiler, mode.name, LOSS_KEY, devices.is_gpu(device))
+            trace = attribute(profiler, mode.name, LOSS_KEY, devices.is_gpu(device), costs=detail)
     if devices.is_gpu(device):
         return _Profiled(trace, wall_ms, devices.max_memory_allocated(device) - before, "allocator peak above the "
                          "step's start (max_memory_allocated)")
@@ -563,6 +572,25 @@ def _median_run(runs: list[_Profiled]) -> _Profiled:
     first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
     return first
+
+
+def _with_details(timed: _Profiled, detail: _Profiled) -> _Profiled:
+    """``timed`` (a step that timed the modules without shapes, FLOPs and memory) with
+    each key's bytes moved and FLOPs, the peak memory, and the timeline's input shapes
+    (the n-th op of a name, module and phase gets the n-th one's shapes) of ``detail``,
+    the same step recorded in detail."""
+    for key, region in detail.trace.regions.items():
+        timed.trace.regions.setdefault(key, Region()).bytes_moved = region.bytes_moved
+        timed.trace.regions[key].flops = region.flops
+    shapes: dict = {}
+    for event in detail.trace.timeline:
+        shapes.setdefault((event.name, event.path, event.phase), []).append(event.input_shapes)
+    for event in timed.trace.timeline:
+        recorded = shapes.get((event.name, event.path, event.phase))
+        if recorded:
+            event.input_shapes = recorded.pop(0)
+    timed.peak_memory_bytes, timed.peak_memory_source = detail.peak_memory_bytes, detail.peak_memory_source
+    return timed
 
 
 def _summary(name: str, samples: list, profiled: _Profiled, backward: bool, device: torch.device) -> ModeSummary:
