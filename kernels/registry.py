@@ -96,10 +96,16 @@ class FusedOp:
     cpu_samples: Optional[Callable[..., Mapping[str, Callable[[], object]]]] = None
     costs: Mapping[str, Callable] = field(default_factory=dict)
     declines: Optional[Callable[[str, Call], Optional[str]]] = None
+    # backends(), fixed at construction (a twin asks on every call).
+    implemented: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "implemented", tuple(
+            name for name in BACKENDS if name in self.implementations or name == "reference"))
 
     def backends(self) -> tuple[str, ...]:
         """Every backend this op implements (whether a device can run it aside)."""
-        return tuple(name for name in BACKENDS if name in self.implementations or name == "reference")
+        return self.implemented
 
 
 # Device type -> its dispatch key (MUSA is torch's PrivateUse1 backend).
@@ -128,6 +134,11 @@ _REGISTRY: dict[str, FusedOp] = {}
 _OVERRIDES: list[dict[str, str]] = []
 # TE_LAB_BACKEND's value when last parsed, and what it parsed to.
 _environment: tuple[str, dict[str, str]] = ("", {})
+# os.environ keeps its variables, encoded, in a plain dict (CPython since 3.2; setting or
+# deleting through os.environ, as monkeypatch does, updates it): reading the variable from it
+# costs one dict lookup per call instead of os.environ.get's four Python calls.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENVIRON is not None else None
 # (op, device type, why Triton cannot run there) -> the automatic backend before any
 # call declines it: it depends on nothing else.
 _automatic: dict[tuple, str] = {}
@@ -163,6 +174,12 @@ def _parse_overrides(spec: str, where: str) -> dict[str, str]:
         _check_backend_name(backend, where)
         overrides[op_name] = backend
     return overrides
+
+
+def _environment_value():
+    """TE_LAB_BACKEND's value as os.environ holds it (bytes on POSIX; None where unset):
+    a key for what was parsed from it, compared on every call."""
+    return _ENVIRON.get(_ENV_KEY) if _ENVIRON is not None else os.environ.get(ENV_VAR)
 
 
 def _environment_overrides(spec: str) -> dict[str, str]:
@@ -219,6 +236,12 @@ def _forced(op: FusedOp, requested: Optional[str], spec: str) -> tuple[Optional[
     return None, ""
 
 
+def backends_forced() -> bool:
+    """Whether a :func:`use_backend` block is open or ``TE_LAB_BACKEND`` is set: some op may
+    then be forced (a twin measured against its original steps aside only where none is)."""
+    return bool(_OVERRIDES) or bool(_environment_value())
+
+
 def forced_backend(op: FusedOp) -> tuple[Optional[str], str]:
     """The backend forced by a context or the environment (None: chosen automatically),
     and who forced it.
@@ -270,19 +293,19 @@ def choose(op: FusedOp, call: Call) -> tuple[str, str]:
     ``TE_LAB_BACKEND``'s value, dtype, sizes, extras, kind of call) outside
     ``use_backend`` blocks, torch.compile's tracing and dispatch or function modes (whose
     sizes may be symbolic): a decode step's ops then pay one dict lookup each."""
-    spec = os.environ.get(ENV_VAR, "")
     training = torch.is_grad_enabled()
     direct = not (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
                   or torch._C._is_torch_function_mode_enabled())
     if direct:
-        key = (op, call.device.type, call.requested, spec, call.dtype, call.sizes, call.extras, training)
+        key = (op, call.device.type, call.requested, _environment_value(), call.dtype, call.sizes, call.extras,
+               training)
         answer = measured_choice.remembered(key)
         if answer is None:
-            answer, settled = _decide(op, call, spec, training)
+            answer, settled = _decide(op, call, os.environ.get(ENV_VAR, ""), training)
             if settled:
                 measured_choice.remember(key, answer)
     else:
-        answer = _decide(op, call, spec, training)[0]
+        answer = _decide(op, call, os.environ.get(ENV_VAR, ""), training)[0]
     for recorder in _CHOICE_RECORDERS:
         if op.cpu_measured:
             recorder.setdefault(op.name, set()).add(answer[0])
