@@ -210,6 +210,16 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     return choice
 
 
+def fastest_now(candidates: Mapping[str, Callable[[], object]]) -> str:
+    """The fastest of ``candidates`` (name -> a callable running one sample), timed now as
+    a decision is (first calls, warm-up, interleaved rounds, medians) and kept nowhere:
+    for a choice that depends on code outside te_lab, such as a twin against the module
+    it replaces (:class:`te_lab.modules.FusedModule`), which a cache file would outlive."""
+    with _own_saved_tensors():
+        times = _median_times_us(candidates)
+    return min(times, key=times.get)
+
+
 def decisions() -> dict[str, dict]:
     """Every decision known in this process (measured or read from the cache)."""
     if not _decisions:

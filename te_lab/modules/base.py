@@ -6,6 +6,14 @@ optimizer built before the swap keeps training the same tensors, and a checkpoin
 saved fused loads unfused and back. The original module is kept (unregistered, so it
 adds nothing to ``state_dict`` or ``parameters()``) for :func:`te_lab.unfuse` and for
 the calls a twin hands back to it (e.g. a KV-cache decode step).
+
+A twin whose forward has no side effects (``measured_against_original``: the norms and
+MLPs) may also hand a call back when fusing does not pay for it: in eval mode, for a call
+without gradients (a decode step), the twin's fused forward and the original's are timed
+against each other once per class of the call (the rows of its first tensor, rounded up
+to a power of two, its dtype and the twin's structure) on that call's inputs, and the
+faster runs every such call from then on. At one row, what the fused ops cost around
+their kernels can exceed what they save; stepping aside then costs one lookup.
 """
 
 from __future__ import annotations
@@ -13,9 +21,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from te_lab.kernels import measured_choice, registry
 from te_lab.kernels.registry import FusedOp, describe_backend
+
+# ((twin class, its description, its parameters' shapes), dtype, rows class) -> whether such
+# a call runs the original: measured once per process (the original's code is not te_lab's to cache).
+_STEPS_ASIDE: dict[tuple, bool] = {}
 
 
 class FusedModule(nn.Module):
@@ -31,6 +44,9 @@ class FusedModule(nn.Module):
     # The original's children the twin calls as modules: hooks on them (and inside them)
     # fire as before, so they do not stop a swap (te_lab.surgery.hooks).
     called_children: Sequence[str] = ()
+    # Whether the fused forward (``fused_forward``) has no side effects, so that a call
+    # without gradients may be measured against the original's (see the module doc).
+    measured_against_original = False
 
     def __init__(self, original: nn.Module, backend: Optional[str] = None):
         super().__init__()
@@ -47,6 +63,45 @@ class FusedModule(nn.Module):
         self._non_persistent_buffers_set.update(original._non_persistent_buffers_set)
         self._modules.update(original._modules)
         self.train(original.training)
+
+    def forward(self, *args, **kwargs):
+        if self.measured_against_original and not self.training and self._steps_aside(args, kwargs):
+            return self.original.forward(*args, **kwargs)
+        return self.fused_forward(*args, **kwargs)
+
+    def fused_forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} defines neither forward nor fused_forward")
+
+    def _steps_aside(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call runs the original: only without gradients, with every op
+        choosing automatically, outside torch.compile and dispatch or function modes."""
+        if (torch.is_grad_enabled() or self.backend is not None or "pinned_backends" in self.__dict__
+                or registry.backends_forced() or torch.compiler.is_compiling()
+                or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+            return False
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(x, Tensor) or x.dim() == 0 or x.device.type != "cpu":
+            return False
+        structure = self.__dict__.get("_structure")
+        if structure is None:
+            structure = self.__dict__["_structure"] = (
+                type(self), self.extra_repr(), tuple(tuple(p.shape) for p in self.parameters()))
+        key = (structure, x.dtype, measured_choice.size_class(x.numel() // max(x.shape[-1], 1)))
+        aside = _STEPS_ASIDE.get(key)
+        if aside is None:
+            aside = _STEPS_ASIDE[key] = self._measure_against_original(args, kwargs)
+        return aside
+
+    def _measure_against_original(self, args: tuple, kwargs: dict) -> bool:
+        inside = [module for module in self.original.modules() if module is not self.original]
+        if not measured_choice.measuring_enabled() or any(
+                module._forward_hooks or module._forward_pre_hooks for module in inside):
+            return False  # hooks inside would fire in every sample (the twin's own fire once, around it)
+        with torch.no_grad():
+            faster = measured_choice.fastest_now({
+                "fused": lambda: self.fused_forward(*args, **kwargs),
+                "original": lambda: self.original.forward(*args, **kwargs)})
+        return faster == "original"
 
     def backend_for(self, op: FusedOp) -> Optional[str]:
         """The backend to pass to ``op``: one pinned for it (:meth:`pin_backend`), else the

@@ -25,6 +25,7 @@ def _epsilon(eps: Optional[float], x: Tensor) -> float:
 
 class FusedRMSNorm(FusedModule):
     """``rms_norm(x, weight, eps, weight_offset)``; the weight (if any) is the original's."""
+    measured_against_original = True
 
     ops = (RMS_NORM,)
 
@@ -34,7 +35,7 @@ class FusedRMSNorm(FusedModule):
         self.eps = eps
         self.weight_offset = weight_offset
 
-    def forward(self, x: Tensor) -> Tensor:
+    def fused_forward(self, x: Tensor) -> Tensor:
         weight = self._parameters.get("weight")
         return rms_norm(x, weight, _epsilon(self.eps, x), weight_offset=self.weight_offset,
                         backend=self.backend_for(RMS_NORM))
@@ -46,6 +47,7 @@ class FusedRMSNorm(FusedModule):
 
 class FusedLayerNorm(FusedModule):
     """``layer_norm(x, weight, bias, eps)`` with the original's weight and bias (if any)."""
+    measured_against_original = True
 
     ops = (LAYER_NORM,)
 
@@ -53,7 +55,7 @@ class FusedLayerNorm(FusedModule):
         super().__init__(original, backend)
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def fused_forward(self, x: Tensor) -> Tensor:
         return layer_norm(x, self._parameters.get("weight"), self._parameters.get("bias"), self.eps,
                           backend=self.backend_for(LAYER_NORM))
 
@@ -65,6 +67,7 @@ class FusedResidualLayerNorm(FusedModule):
     """BERT's output block, ``LayerNorm(dropout(dense(h)) + residual)``, with the add
     inside the LayerNorm's pass. Children (``dense``, ``dropout``, ``norm``) are named
     as in the original and given by the rule that matched it."""
+    measured_against_original = True
 
     ops = (LAYER_NORM,)
 
@@ -73,7 +76,7 @@ class FusedResidualLayerNorm(FusedModule):
         super().__init__(original, backend)
         self.dense_name, self.dropout_name, self.norm_name = dense, dropout, norm
 
-    def forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
+    def fused_forward(self, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
         h = self._modules[self.dense_name](hidden_states)
         if self.dropout_name is not None:
             h = self._modules[self.dropout_name](h)
