@@ -1,8 +1,14 @@
 """The generation benchmark: prefill and decode tokens/s, eager against te_lab-fused,
 ``torch.compile`` and te_lab-fused under ``torch.compile``.
 
-    python -m te_lab.benchmarks.generation [--quick] [--models hf:llama-24,llama-mini]
+    python -m te_lab.benchmarks.generation [--quick | --key] [--models hf:llama-24,llama-mini]
         [--batches 1,4,16] [--prompts 128,1024] [--new-tokens 32] [--rounds 5]
+
+``--key`` is issue 28's figure alone, within a few minutes on the 2-core CPU: ``hf:llama-24``
+at batch 1, a 64-token prompt and 32 new tokens, eager against fused, 21 interleaved rounds
+(the decode ratio's interval narrows with rounds; a decode step of this model takes tens of
+milliseconds). Without options, the full grid (every model, batch 1, 4 and 16, prompts 128
+and 1024, every mode) takes hours there.
 
 Each configuration (model, batch, prompt length) runs greedy decoding of ``new_tokens``
 tokens after a random prompt, once per mode per round, the modes interleaved (the order
@@ -56,6 +62,9 @@ class Config:
 
 FULL = Config()
 QUICK = Config(models=("llama-tiny", HF_LLAMA_24), batches=(1, 4), prompts=(128,), new_tokens=16, rounds=3)
+# Issue 28's key figure: greedy decoding at batch 1 on the 24-layer Hugging Face Llama, fused
+# against eager, with enough interleaved rounds for the median ratio's interval.
+KEY = Config(models=(HF_LLAMA_24,), batches=(1,), prompts=(64,), new_tokens=32, rounds=21, modes=("eager", "fused"))
 
 
 def build(name: str, max_len: int) -> nn.Module:
@@ -260,8 +269,11 @@ def _integers(text: str, option: str) -> tuple[int, ...]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m te_lab.benchmarks.generation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="llama-tiny and hf:llama-24, batch 1 and 4, prompt 128, "
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--quick", action="store_true", help="llama-tiny and hf:llama-24, batch 1 and 4, prompt 128, "
                         "16 new tokens, 3 rounds")
+    chosen.add_argument("--key", action="store_true", help="hf:llama-24, batch 1, prompt 64, 32 new tokens, eager and "
+                        "fused, 21 rounds: the decode ratio of issue 28")
     parser.add_argument("--models", default=None, help=f"comma-separated (default: {','.join(FULL.models)})")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1,4,16)")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default: 128,1024)")
@@ -269,7 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 5)")
     parser.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)}")
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
+    config = QUICK if args.quick else KEY if args.key else FULL
     try:
         changes = {}
         if args.models:

@@ -104,6 +104,19 @@ def test_the_generation_benchmark_refuses_bad_options(capsys):
     assert "--modes: got 'fused'; expected eager and any of fused, compile, fused+compile" in capsys.readouterr().err
 
 
+def test_the_key_configuration_is_issue_28s_decode_figure(capsys):
+    key = generation.KEY
+    assert (key.models, key.batches, key.prompts, key.new_tokens, key.modes) == (
+        (generation.HF_LLAMA_24,), (1,), (64,), 32, ("eager", "fused"))
+    # Its batch and modes, on a small model: eager and fused rows only, at batch 1.
+    assert generation.main(["--key", "--models", "llama-tiny", "--prompts", "4", "--new-tokens", "2",
+                            "--rounds", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama-tiny")]
+    assert [row.split(" | ")[1:4] for row in rows] == [["1", "4", "eager"], ["1", "4", "fused"]]
+    with pytest.raises(SystemExit):
+        generation.main(["--key", "--quick"])
+
+
 def test_te_lab_generate_prints_the_tokens_and_tokens_per_s_of_both(capsys):
     assert cli_main(["generate", "--model", "llama-tiny", "--prompt", "5, 17 42", "--max-new-tokens", "3",
                      "--rounds", "1"]) == 0
