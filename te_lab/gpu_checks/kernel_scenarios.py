@@ -50,7 +50,7 @@ CI_SCENARIOS = frozenset([
     "rope bf16 head_dim=128 qk_norm", "rope fp32 head_dim=128 qk_norm", "rope bf16 head_dim=256 qk_norm",
     "glu bf16 silu width=14336", "glu fp32 gelu_tanh width=14336 concatenated", "glu fp16 gelu width=14336",
     "bias_act bf16 gelu cols=16384", "bias_act fp32 silu cols=16384", "bias_act fp16 gelu_tanh cols=16384",
-    "bias_act fp32 gelu cols=16384",
+    "bias_act fp32 gelu cols=16384", "bias_act bf16 relu_squared cols=16384", "glu bf16 relu_squared width=14336",
     "adamw fp32", "adamw bf16 amsgrad", "adamw fp16",
     "moe bf16 hidden=2048 width=768", "moe bf16 hidden=2880 width=2880 transposed clamped_swiglu",
     "moe fp32 hidden=2048 width=768", "moe fp16 hidden=2880 width=2880 transposed clamped_swiglu",
@@ -280,7 +280,7 @@ def _linear_act() -> None:
 def _elementwise_scenarios() -> list[Scenario]:
     found = []
     for name, dtype in DTYPES.items():
-        for activation in ("silu", "gelu", "gelu_tanh"):
+        for activation in ("silu", "gelu", "gelu_tanh", "relu_squared"):
             for concatenated in (False, True):
                 found.append(Scenario(f"glu {name} {activation} width=14336{' concatenated' if concatenated else ''}",
                                       _glu(dtype, activation, 14336, concatenated=concatenated)))
