@@ -4,6 +4,7 @@ details list fills the details panel, that each chart's data is in the widget st
 (no plotly.js), the timeline drawn a window at a time, Re-run through a ProfileRun, the
 text fallback and the HTML file."""
 
+import copy
 import dataclasses
 import json
 
@@ -71,6 +72,20 @@ def test_group_by_and_phase_redraw_the_gains_in_place(report):
     dashboard.phase.value = "forward"
     forward = list(shown(widget)["data"][0]["y"])
     assert all(f <= b + 1e-9 for f, b in zip(sorted(forward), sorted(both))) and forward != both
+
+
+def test_other_is_explained_per_mode_and_a_change_fusion_cannot_cause_is_flagged(report):
+    from te_lab.profiler.report import OTHER_KEY
+
+    other = next(c for c in report.modules if c.key == OTHER_KEY)
+    text = Dashboard(report).other.value
+    assert f"Eager: {other.eager.total_ms:.3f} ms" in text and f"fused: {other.fused.total_ms:.3f} ms" in text
+    assert ("a difference fusion cannot cause" in text) == bool(other.distinguishable)
+    changed = copy.deepcopy(report)
+    moved = next(c for c in changed.modules if c.key == OTHER_KEY)
+    moved.fused.forward_ms, moved.fused.backward_ms = moved.eager.total_ms / 1.6, 0.0
+    moved.speedup_low, moved.speedup_high = 1.4, 1.8
+    assert "Here it changed 1.60x [1.40, 1.80]: a difference fusion cannot cause" in Dashboard(changed).other.value
 
 
 def test_choosing_a_row_fills_the_details_panel(report):
