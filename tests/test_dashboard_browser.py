@@ -4,7 +4,9 @@ and shows the dashboard; the test runs all cells and reads the DOM: the widget r
 charts (plotly's MIME output, drawn by the jupyterlab-plotly extension) have their SVG and
 the expected bars, the group-by control redraws the bars, choosing a row under "details
 of" fills the details panel, no cell shows an error. The static HTML export
-then opens in the same browser with the network blocked and must draw its charts.
+then opens in the same browser with the network blocked and must draw its charts. A
+second notebook profiles a tiny fused Qwen3-MoE (``hf:qwen3_moe``) and its dashboard's
+Expert load tab draws the heatmap, a row per MoE layer labelled with its imbalance.
 
 Screenshots go to test-artifacts/ (git-ignored). CI installs Debian's chromium
 (.ci/run); elsewhere the test is skipped when chromium is missing.
@@ -48,11 +50,22 @@ NOTEBOOK_CELLS = [
     "te_lab.show(report)",
     "te_lab.to_html(report, 'report.html')",
 ]
+# A tiny Qwen3-MoE built from its config (2 layers, 32 experts, top-4), only its MoE blocks
+# fused (the other rules' probes would add a minute on a loaded 2-core machine).
+MOE_CELLS = [
+    "import te_lab\nfrom te_lab import models",
+    "model = models.build_model('hf:qwen3_moe', seed=0)\nbatch = models.example_batch(model, 2, 16)\n"
+    "fusion = te_lab.fuse(model, sample=batch, only=['moe'], progress=False)\nlen(fusion.fused)",
+    "report = te_lab.profile(model, batch, steps=2, warmup=1)\nload = report.expert_load\n"
+    "print('layers', len(load.layers), 'experts', len(load.layers[0].tokens_per_expert), 'overall', "
+    "f'{load.imbalance:.2f}x')",
+    "te_lab.show(report)",
+]
 
 
-def write_notebook(path: Path) -> None:
+def write_notebook(path: Path, sources: list) -> None:
     cells = [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": source}
-             for source in NOTEBOOK_CELLS]
+             for source in sources]
     notebook = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                                             "language": "python"}},
                 "nbformat": 4, "nbformat_minor": 5}
@@ -69,7 +82,8 @@ def jupyterlab(tmp_path_factory):
     # The "Jupyter news" notice would cover the screenshots.
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    write_notebook(root / "dashboard.ipynb")
+    write_notebook(root / "dashboard.ipynb", NOTEBOOK_CELLS)
+    write_notebook(root / "moe.ipynb", MOE_CELLS)
     port = free_port()
     # The kernel keeps this process's te_lab cache (C++ kernels built, choices measured), as
     # a user's notebook has its own, so no cell shows a build's messages.
@@ -99,9 +113,9 @@ def browser(jupyterlab):
             instance.close()
 
 
-def run_all_cells(page) -> None:
+def run_all_cells(page, cells: list) -> None:
     page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=TIMEOUT_MS)
-    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {len(NOTEBOOK_CELLS)}",
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {len(cells)}",
                            timeout=TIMEOUT_MS)
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_text("Run All Cells", exact=True).click()
@@ -127,7 +141,7 @@ def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
     ARTIFACTS.mkdir(exist_ok=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{url}/lab/tree/dashboard.ipynb", timeout=TIMEOUT_MS)
-    run_all_cells(page)
+    run_all_cells(page, NOTEBOOK_CELLS)
     dashboard = page.locator(".te-lab-dashboard")
     dashboard.wait_for(timeout=TIMEOUT_MS)
     counts = page.locator(".jp-OutputArea-output pre", has_text="modules").first.text_content().split()
@@ -167,6 +181,34 @@ def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
     assert dashboard.locator(".js-plotly-plot svg.main-svg").count() >= 4
     page.screenshot(path=str(ARTIFACTS / "dashboard-roofline.png"), full_page=True)
 
+    assert dashboard.get_by_role("tab", name="Expert load").count() == 0  # a dense model has no expert load
+    assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0
+    page.close()
+
+
+def test_the_expert_load_heatmap_of_a_fused_moe_model(jupyterlab, browser):
+    url, _, _ = jupyterlab
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    # ?reset: JupyterLab would otherwise restore its workspace, the first test's notebook open beside this one
+    page.goto(f"{url}/lab/tree/moe.ipynb?reset", timeout=TIMEOUT_MS)
+    run_all_cells(page, MOE_CELLS)
+    dashboard = page.locator(".te-lab-dashboard")
+    dashboard.wait_for(timeout=TIMEOUT_MS)
+    printed = page.locator(".jp-OutputArea-output pre", has_text="overall").first.text_content().split()
+    layers, experts, overall = int(printed[1]), int(printed[3]), printed[5]
+    assert (layers, experts) == (2, 32)
+
+    dashboard.get_by_role("tab", name="Expert load").click()
+    heatmap = dashboard.locator(".js-plotly-plot", has=page.locator("g.hm"))
+    try:
+        heatmap.locator("g.hm image").wait_for(timeout=60_000)  # the heatmap's cells, drawn as one image
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard-expert-load.png"), full_page=True)
+    rows = heatmap.locator("g.ytick text").all_text_contents()
+    assert sorted(row.split(" (")[0] for row in rows) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(row.endswith("x)") for row in rows)  # each layer's imbalance
+    assert f"imbalance {overall} overall" in heatmap.locator("g.infolayer .gtitle").text_content()
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0
     page.close()
 
