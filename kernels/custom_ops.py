@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from .torch_internals import (
+    AFTER_AUTOGRAD_KEYS,
     OpOverload,
     any_autocast_enabled,
     below_autograd,
     dispatch_modes_active,
-    keys_after_autograd,
     profiler_enabled,
 )
 
@@ -136,7 +136,7 @@ class CustomOp:
             if _needs_grad(args):
                 return dispatched.apply(*args)
             with below_autograd():
-                return op.redispatch(keys_after_autograd(keyset), *args)
+                return op.redispatch(keyset & AFTER_AUTOGRAD_KEYS, *args)
 
         _LIBRARY.impl(self.name, autograd_kernel, "Autograd", with_keyset=True)
 

@@ -28,6 +28,8 @@ import torch
 
 from te_lab.cache import cache_directory
 
+from .torch_internals import dispatch_modes_active, function_modes_active, saved_tensors_hooks_enabled
+
 CHOICES_ENV = "TE_LAB_CHOICES"
 CACHE_ENV = "TE_LAB_CHOICES_CACHE"
 WARMUP = 3
@@ -151,7 +153,7 @@ def _own_saved_tensors():
     around the caller: a checkpointed region's forward that measures would otherwise
     count the samples' saved tensors, and its recomputation, which finds the choice
     made, would save fewer (torch.utils.checkpoint's CheckpointError)."""
-    if not getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)():
+    if not saved_tensors_hooks_enabled():
         return contextlib.nullcontext()  # no hooks can be active
     return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
 
@@ -188,8 +190,7 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     if allowed is not None and len(allowed) == 1:
         _known[(decision, shape_class)] = allowed[0]
         return allowed[0]
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
+    if torch.compiler.is_compiling() or dispatch_modes_active() or function_modes_active():
         # No file I/O or timing inside a traced graph, nor under a mode (fake tensors,
         # make_fx's tracing, a FLOP counter), which would take over the samples' tensors.
         return default

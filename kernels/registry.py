@@ -40,6 +40,7 @@ from te_lab import device as devices
 
 from . import cpu_kernels, measured_choice
 from .measured_choice import known, size_class
+from .torch_internals import dispatch_modes_active, function_modes_active, has_kernel
 
 BACKENDS = ("triton", "native", "inductor", "cpp", "reference")
 ENV_VAR = "TE_LAB_BACKEND"
@@ -122,7 +123,7 @@ def aten_kernel_exists(qualified_name: str, device_type: str, autocast: bool = F
     if key not in _aten_kernels:
         try:
             dispatch_key = ("Autocast" if autocast else "") + DISPATCH_KEYS[device_type]
-            found = torch._C._dispatch_has_kernel_for_dispatch_key(qualified_name, dispatch_key)
+            found = has_kernel(qualified_name, dispatch_key)
         except (RuntimeError, KeyError):
             found = False
         _aten_kernels[key] = bool(found)
@@ -294,8 +295,8 @@ def choose(op: FusedOp, call: Call) -> tuple[str, str]:
     ``use_backend`` blocks, torch.compile's tracing and dispatch or function modes (whose
     sizes may be symbolic): a decode step's ops then pay one dict lookup each."""
     training = torch.is_grad_enabled()
-    direct = not (_OVERRIDES or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                  or torch._C._is_torch_function_mode_enabled())
+    direct = not (_OVERRIDES or torch.compiler.is_compiling() or dispatch_modes_active()
+                  or function_modes_active())
     if direct:
         key = (op, call.device.type, call.requested, _environment_value(), call.dtype, call.sizes, call.extras,
                training)

@@ -26,16 +26,14 @@ import torch
 OpOverload = torch._ops.OpOverload
 
 
-def below_autograd() -> contextlib.AbstractContextManager:
-    """A block whose dispatches skip the autograd keys (as an autograd kernel's own
-    redispatch does)."""
-    return torch._C._AutoDispatchBelowAutograd()
+# The entries on te_lab's per-call path are torch's own callables, not wrappers: an eager
+# call pays no extra Python frame for reaching them through this module.
 
-
-def keys_after_autograd(keyset):
-    """``keyset`` less the autograd keys and those before them: what an autograd kernel
-    redispatches its op with."""
-    return keyset & torch._C._after_autograd_keyset
+#: ``with below_autograd():`` a block whose dispatches skip the autograd keys (as an
+#: autograd kernel's own redispatch does).
+below_autograd = torch._C._AutoDispatchBelowAutograd
+#: The keys an autograd kernel redispatches its op with: ``keyset & AFTER_AUTOGRAD_KEYS``.
+AFTER_AUTOGRAD_KEYS = torch._C._after_autograd_keyset
 
 
 def has_kernel(qualified_name: str, dispatch_key: str) -> bool:
@@ -57,15 +55,11 @@ def argument_names(qualified_name: str) -> tuple[str, ...]:
 
 # ---- modes, autocast and the profiler, as the per-call path asks about them ----
 
-def dispatch_modes_active() -> bool:
-    """Whether a ``TorchDispatchMode`` (fake tensors, a FLOP counter, a checkpointing
-    policy) is on the stack."""
-    return bool(torch._C._len_torch_dispatch_stack())
-
-
-def function_modes_active() -> bool:
-    """Whether a ``TorchFunctionMode`` is active."""
-    return torch._C._is_torch_function_mode_enabled()
+#: How many ``TorchDispatchMode``s (fake tensors, a FLOP counter, a checkpointing policy)
+#: are on the stack: 0 for none.
+dispatch_modes_active: Callable[[], int] = torch._C._len_torch_dispatch_stack
+#: Whether a ``TorchFunctionMode`` is active.
+function_modes_active: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
 
 
 #: Whether autocast is on for any device type (one C call where torch has it).

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from te_lab.kernels import measured_choice, registry
 from te_lab.kernels.registry import FusedOp, describe_backend
+from te_lab.kernels.torch_internals import dispatch_modes_active, function_modes_active
 
 # ((twin class, its description, its parameters' shapes), dtype, rows class) -> whether such
 # a call runs the original: measured once per process (the original's code is not te_lab's to cache).
@@ -77,7 +78,7 @@ class FusedModule(nn.Module):
         choosing automatically, outside torch.compile and dispatch or function modes."""
         if (torch.is_grad_enabled() or self.backend is not None or "pinned_backends" in self.__dict__
                 or registry.backends_forced() or torch.compiler.is_compiling()
-                or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+                or dispatch_modes_active() or function_modes_active()):
             return False
         x = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(x, Tensor) or x.dim() == 0 or x.device.type != "cpu":
