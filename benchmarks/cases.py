@@ -42,7 +42,7 @@ from te_lab.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from te_lab.kernels.glu import glu
 from te_lab.kernels.layer_norm import layer_norm
 from te_lab.kernels.rms_norm import rms_norm
-from te_lab.kernels.rope import apply_rotary
+from te_lab.kernels.rope import rope
 from te_lab.kernels.torch_internals import FakeTensorMode, TorchDispatchMode
 from te_lab.profiler.estimates import cost_of
 
@@ -296,7 +296,7 @@ def rope_case(device, dtype, size: Size) -> OpCase:
     return OpCase(
         "rope", "rope", f"RoPE q {tuple(q.shape)}, k {tuple(k.shape)}", (q, k),
         baseline=lambda q, k: hf_rotary(q, k, cos, sin),
-        fused=lambda q, k, backend: apply_rotary(q, k, cos, sin, backend=backend),
+        fused=lambda q, k, backend: rope(q, k, cos, sin, backend=backend),
         liger=lambda functional: lambda q, k: functional.liger_rope(q, k, cos[None], sin[None]))
 
 

@@ -31,7 +31,7 @@ else:
     from .moe import moe, moe_experts, moe_experts_reference, moe_reference, moe_routing
     from .registry import BACKENDS, FusedOp, available_backends, registered_ops, select_backend, use_backend
     from .rms_norm import rms_norm, rms_norm_reference
-    from .rope import apply_rotary, apply_rotary_reference
+    from .rope import apply_rotary, apply_rotary_reference, rope, rope_reference
 
     __all__ = [
         "BACKENDS",
@@ -66,6 +66,8 @@ else:
         "registered_ops",
         "rms_norm",
         "rms_norm_reference",
+        "rope",
+        "rope_reference",
         "select_backend",
         "swiglu",
         "use_backend",

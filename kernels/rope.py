@@ -40,6 +40,8 @@ of g * x_hat. q and k themselves, not the normalized rows, are kept for it.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -94,7 +96,7 @@ def _rotate_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, no
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
-def apply_rotary_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
+def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
                            interleaved: bool = False, layout: str = "bhsd", q_norm_weight: Optional[Tensor] = None,
                            k_norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6,
                            norm_weight_offset: float = 0.0):
@@ -526,7 +528,7 @@ def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool
         dq = torch.full(q.shape, 0.01, dtype=dtype)
         weight = torch.linspace(0.5, 1.5, head_dim, dtype=dtype).requires_grad_() if normalized else None
 
-    return {name: op_sample(lambda name=name: apply_rotary(q, k, cos, sin, interleaved=interleaved,
+    return {name: op_sample(lambda name=name: rope(q, k, cos, sin, interleaved=interleaved,
                                                            q_norm_weight=weight, k_norm_weight=weight, backend=name),
                             (q, k), (dq, dq), training=training)
             for name in ROPE.cpu_measured}
@@ -538,7 +540,7 @@ if HAS_TRITON:
 
 ROPE = register_op(FusedOp(
     name=NAME,
-    reference=apply_rotary_reference,
+    reference=rope_reference,
     implementations=_IMPLEMENTATIONS,
     cpu_preference="cpp",
     cpu_measured=("cpp", "inductor", "reference"),
@@ -709,7 +711,7 @@ def _check_norm(q, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset) -
         raise TypeError(f"{NAME}: norm_weight_offset must be a number, got {norm_weight_offset!r}")
 
 
-def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
                  layout: str = "bhsd", q_norm_weight: Optional[Tensor] = None, k_norm_weight: Optional[Tensor] = None,
                  norm_eps: float = 1e-6, norm_weight_offset: float = 0.0, backend: Optional[str] = None):
     """Rotary position embedding of ``q`` and ``k`` in one pass; returns ``(q_out, k_out)``.
@@ -743,7 +745,7 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
     chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]),
                                      (interleaved, normalized))
     if chosen == "reference":
-        return apply_rotary_reference(q, k, cos, sin, interleaved=interleaved, layout=layout,
+        return rope_reference(q, k, cos, sin, interleaved=interleaved, layout=layout,
                                       q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
                                       norm_weight_offset=norm_weight_offset)
     # The kernels read the tables as dense rows: broadcast (expanded) or strided tables
@@ -752,3 +754,20 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved:
     cos, sin = (table if table.is_contiguous() else table.contiguous() for table in (cos, sin))
     return _rope_op(q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, float(norm_eps),
                     float(norm_weight_offset), chosen)
+
+
+def _renamed(function, old_name: str):
+    """``function`` under the name it had before, warning that the old name is deprecated."""
+    @functools.wraps(function)
+    def alias(*args, **kwargs):
+        warnings.warn(f"te_lab.kernels.{old_name} is now te_lab.kernels.{function.__name__} (the op's own name); "
+                      f"the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return function(*args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old_name
+    return alias
+
+
+# The names before the op and its function were given one name; for one release.
+apply_rotary = _renamed(rope, "apply_rotary")
+apply_rotary_reference = _renamed(rope_reference, "apply_rotary_reference")

@@ -16,8 +16,6 @@ from conftest import DEVICE, TOLERANCES, backend_params, interpreted
 from te_lab import models
 from te_lab.kernels import (
     FusedAdamW,
-    apply_rotary,
-    apply_rotary_reference,
     attention,
     cross_entropy,
     fused_linear_cross_entropy,
@@ -25,6 +23,8 @@ from te_lab.kernels import (
     layer_norm,
     linear_act,
     rms_norm,
+    rope,
+    rope_reference,
 )
 from te_lab.kernels.attention import ATTENTION
 from te_lab.kernels.bias_act import BIAS_ACT
@@ -143,8 +143,8 @@ def test_rope_rotates_low_precision_heads_with_float32_tables(backend):
     angles = torch.arange(8.0, device=DEVICE)[:, None] * torch.linspace(0.1, 1.0, 8, device=DEVICE)
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     both = lambda rotated: torch.cat([t.flatten() for t in rotated])  # noqa: E731
-    out = assert_op_matches_under_autocast(lambda q, k: both(apply_rotary(q, k, cos, sin, backend=backend)),
-                                           lambda q, k: both(apply_rotary_reference(q, k, cos, sin)), (q, k), backend)
+    out = assert_op_matches_under_autocast(lambda q, k: both(rope(q, k, cos, sin, backend=backend)),
+                                           lambda q, k: both(rope_reference(q, k, cos, sin)), (q, k), backend)
     assert out.dtype == AUTOCAST_DTYPE
 
 

@@ -106,7 +106,7 @@ def test_reports_say_that_the_routing_is_measured_unless_forced():
                  id="rms_norm"),
     pytest.param("glu", lambda module, x: module.glu(x, x, "gelu"), "('float32', 64, 64, 'gelu')", id="glu"),
     # q and k of 60 rows each: 120 rows rotated, the class of 128
-    pytest.param("rope", lambda module, x: module.apply_rotary(x[None], x[None], torch.ones(x.shape[-2], 64),
+    pytest.param("rope", lambda module, x: module.rope(x[None], x[None], torch.ones(x.shape[-2], 64),
                                                                torch.zeros(x.shape[-2], 64)),
                  "('float32', 128, 64, False)", id="rope"),
     pytest.param("cross_entropy",

@@ -31,7 +31,7 @@ from te_lab.kernels.linear import linear
 from te_lab.kernels.moe import CLAMPED_SWIGLU, moe
 from te_lab.kernels.registry import registered_ops
 from te_lab.kernels.rms_norm import rms_norm
-from te_lab.kernels.rope import apply_rotary
+from te_lab.kernels.rope import rope
 
 
 def _randn(*shape, grad=True):
@@ -74,9 +74,9 @@ def _rope(backend):
     q_weight, k_weight = _randn(16), _randn(16)
     # QK-norm with partial rotary, on q and k as Hugging Face's transposed projections give them
     q_hf, k_hf = _randn(2, 7, 4, 16).transpose(1, 2), _randn(2, 7, 2, 16).transpose(1, 2)
-    return (apply_rotary(q, k, cos, sin, backend=backend),
-            apply_rotary(q, k, cos, sin, interleaved=True, backend=backend),
-            apply_rotary(q_hf, k_hf, cos[:, :8], sin[:, :8], q_norm_weight=q_weight, k_norm_weight=k_weight,
+    return (rope(q, k, cos, sin, backend=backend),
+            rope(q, k, cos, sin, interleaved=True, backend=backend),
+            rope(q_hf, k_hf, cos[:, :8], sin[:, :8], q_norm_weight=q_weight, k_norm_weight=k_weight,
                          norm_weight_offset=1.0, backend=backend))
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICE, DTYPES, assert_close, backend_params, grads_of, interpreted, leaf
 from te_lab.kernels import cpu_kernels
 from te_lab.kernels.precision import TOLERANCES, error_budget
-from te_lab.kernels.rope import ROPE, apply_rotary, apply_rotary_reference
+from te_lab.kernels.rope import ROPE, rope, rope_reference
 
 BACKENDS = backend_params(ROPE)
 
@@ -91,8 +91,8 @@ def _run(fn, case, sources, make_qk, cos, sin, **kwargs):
 def test_forward_and_gradients_match_reference(backend, dtype, case):
     sources, make_qk = _sources(case, dtype)
     cos, sin = _tables(case, dtype)
-    outputs, grads = _run(apply_rotary, case, sources, make_qk, cos, sin, backend=backend)
-    ref_outputs, ref_grads = _run(apply_rotary_reference, case, sources, make_qk, cos, sin)
+    outputs, grads = _run(rope, case, sources, make_qk, cos, sin, backend=backend)
+    ref_outputs, ref_grads = _run(rope_reference, case, sources, make_qk, cos, sin)
     for out, x in zip(outputs, make_qk(*sources)):
         assert out.shape == x.shape and out.dtype == dtype
         # laid out like Hugging Face's transposed q and k (no transposing copy), else contiguous
@@ -142,7 +142,7 @@ def test_reference_is_hugging_face_math():
     q, k = torch.randn(batch, 4, seq, 16), torch.randn(batch, 2, seq, 16)
     freqs = _frequencies(position_ids, 16)
     emb = torch.cat((freqs, freqs), dim=-1)
-    for got, want in zip(apply_rotary_reference(q, k, emb.cos(), emb.sin()),
+    for got, want in zip(rope_reference(q, k, emb.cos(), emb.sin()),
                          _llama_apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -153,7 +153,7 @@ def test_reference_is_hugging_face_math():
     want = [torch.cat((_gptj_apply_rotary_pos_emb(x[..., :rotary_dim], freqs.sin(), freqs.cos()),
                        x[..., rotary_dim:]), dim=-1) for x in (q, k)]
     cos, sin = freqs.repeat_interleave(2, dim=-1).cos(), freqs.repeat_interleave(2, dim=-1).sin()
-    got = apply_rotary_reference(q, k, cos, sin, interleaved=True, layout="bshd")
+    got = rope_reference(q, k, cos, sin, interleaved=True, layout="bshd")
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -171,11 +171,11 @@ def test_gradcheck_float64(backend, interleaved):
     cos, sin = (torch.randn(2, 5, 4, device=DEVICE, dtype=torch.float64) for _ in range(2))
 
     def fn(q, k):
-        return apply_rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
+        return rope(q, k, cos, sin, interleaved=interleaved, backend=backend)
 
     # the values too, in float64's precision: gradcheck checks the backward against the
     # backend's own forward
-    for got, want in zip(fn(q, k), apply_rotary_reference(q, k, cos, sin, interleaved=interleaved)):
+    for got, want in zip(fn(q, k), rope_reference(q, k, cos, sin, interleaved=interleaved)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(fn, (q, k), fast_mode=interpreted(backend))
 
@@ -202,13 +202,13 @@ def test_torch_compile_fullgraph(backend):
         return (q_out * q_weight).sum() + (k_out * k_weight).sum()
 
     def fused(q, k, cos, sin):
-        return apply_rotary(q, k, cos, sin, backend=backend)
+        return rope(q, k, cos, sin, backend=backend)
 
     explanation = torch._dynamo.explain(attention_input)(fused, q_proj, k_proj)
     assert explanation.graph_break_count == 0
     got = torch.compile(attention_input, fullgraph=True)(fused, q_proj, k_proj)
     got_grads = torch.autograd.grad(got, (q_proj, k_proj))
-    want = attention_input(apply_rotary_reference, q_proj, k_proj)
+    want = attention_input(rope_reference, q_proj, k_proj)
     want_grads = torch.autograd.grad(want, (q_proj, k_proj))
     assert_close(got, want, atol=1e-4)
     for g, w in zip(got_grads, want_grads):
@@ -219,8 +219,8 @@ def test_torch_compile_fullgraph(backend):
 def test_many_heads_are_rotated_in_blocks(backend):
     # 40 query heads of 128 dims exceed one Triton tile, so the kernel loops over head blocks.
     q, k, cos, sin = _simple_inputs(heads_q=40, heads_k=8, seq=3, head_dim=128)
-    got = apply_rotary(q.detach(), k.detach(), cos, sin, backend=backend)
-    for g, w in zip(got, apply_rotary_reference(q.detach(), k.detach(), cos, sin)):
+    got = rope(q.detach(), k.detach(), cos, sin, backend=backend)
+    for g, w in zip(got, rope_reference(q.detach(), k.detach(), cos, sin)):
         assert_close(g, w)
 
 
@@ -228,7 +228,7 @@ def test_many_heads_are_rotated_in_blocks(backend):
 def test_profiler_sees_the_fused_op_and_its_backward_once_each(backend):
     q, k, cos, sin = _simple_inputs()
     with torch.profiler.profile() as prof:
-        q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
+        q_out, k_out = rope(q, k, cos, sin, backend=backend)
         (q_out.sum() + k_out.sum()).backward()
     names = [event.name for event in prof.events()]
     assert names.count("te_lab::rope") == 1 and names.count("te_lab::rope_backward") == 1
@@ -239,10 +239,10 @@ def test_profiler_sees_the_fused_op_and_its_backward_once_each(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unused_k_output_still_gives_gradients(backend):
     q, k, cos, sin = _simple_inputs()
-    q_out, _ = apply_rotary(q, k, cos, sin, backend=backend)
+    q_out, _ = rope(q, k, cos, sin, backend=backend)
     q_out.sum().backward()
     ref_q = leaf(q)
-    apply_rotary_reference(ref_q, k.detach(), cos, sin)[0].sum().backward()
+    rope_reference(ref_q, k.detach(), cos, sin)[0].sum().backward()
     assert_close(q.grad, ref_q.grad)
     assert torch.count_nonzero(k.grad) == 0
 
@@ -251,7 +251,7 @@ def test_unused_k_output_still_gives_gradients(backend):
 def test_cos_and_sin_are_constants(backend):
     q, k, cos, sin = _simple_inputs()
     cos, sin = leaf(cos), leaf(sin)
-    q_out, k_out = apply_rotary(q, k, cos, sin, backend=backend)
+    q_out, k_out = rope(q, k, cos, sin, backend=backend)
     (q_out.sum() + k_out.sum()).backward()
     assert cos.grad is None and sin.grad is None
     assert q.grad is not None and k.grad is not None
@@ -260,7 +260,7 @@ def test_cos_and_sin_are_constants(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch_gives_empty_outputs(backend):
     q, k, cos, sin = _simple_inputs()
-    q_out, k_out = apply_rotary(q[:0], k[:0], cos, sin, backend=backend)
+    q_out, k_out = rope(q[:0], k[:0], cos, sin, backend=backend)
     assert q_out.shape == (0, *q.shape[1:]) and k_out.shape == (0, *k.shape[1:])
 
 
@@ -299,7 +299,7 @@ def _bad(**changes):
 )
 def test_bad_input_names_the_argument(kwargs, error, words):
     with pytest.raises(error) as raised:
-        apply_rotary(**kwargs)
+        rope(**kwargs)
     for word in words:
         assert word in str(raised.value)
 
@@ -321,8 +321,8 @@ def test_expanded_and_strided_tables_give_the_reference(backend):
     for make in (lambda t: t[None].expand(2, -1, -1), lambda t: torch.cat((t, t), -1)[..., ::2]):
         c, s = make(cos), make(sin)
         assert not c.is_contiguous()
-        got = apply_rotary(q, k, c, s, backend=backend)
-        want = apply_rotary_reference(q, k, c.contiguous(), s.contiguous())
+        got = rope(q, k, c, s, backend=backend)
+        want = rope_reference(q, k, c.contiguous(), s.contiguous())
         for g, w in zip(got, want):
             assert_close(g, w)
 
@@ -379,9 +379,9 @@ def test_qk_norm_is_as_close_to_the_float64_truth_as_the_unfused_math(backend, d
     generator = torch.Generator().manual_seed(7)
     cos, sin = ((2 * torch.rand(6, rotary_dim, generator=generator) - 1).to(DEVICE) for _ in range(2))
     args = (cos, sin, interleaved, layout, offset)
-    fused = _qk_norm_run(apply_rotary, projections, weights, views, *args, backend=backend)
-    unfused = _qk_norm_run(apply_rotary_reference, projections, weights, views, *args)
-    truth = _qk_norm_run(apply_rotary_reference, [t.double() for t in projections], [w.double() for w in weights],
+    fused = _qk_norm_run(rope, projections, weights, views, *args, backend=backend)
+    unfused = _qk_norm_run(rope_reference, projections, weights, views, *args)
+    truth = _qk_norm_run(rope_reference, [t.double() for t in projections], [w.double() for w in weights],
                          views, cos.double(), sin.double(), interleaved, layout, offset)
     names = ("q_out", "k_out", "d q", "d k", "d q_norm_weight", "d k_norm_weight")
     for name, got, reference, want in zip(names, fused, unfused, truth):
@@ -406,12 +406,12 @@ def test_qk_norm_gradcheck_float64(backend, interleaved):
     q_weight, k_weight = (torch.randn(6, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
     cos, sin = (torch.randn(2, 5, 4, device=DEVICE, dtype=torch.float64) for _ in range(2))
 
-    def fn(q, k, q_weight, k_weight, rotate=apply_rotary, **kwargs):
+    def fn(q, k, q_weight, k_weight, rotate=rope, **kwargs):
         return rotate(q, k, cos, sin, interleaved=interleaved, q_norm_weight=q_weight, k_norm_weight=k_weight,
                       norm_eps=1e-5, norm_weight_offset=0.5, **kwargs)
 
     inputs = (q, k, q_weight, k_weight)
-    for got, want in zip(fn(*inputs, backend=backend), fn(*inputs, rotate=apply_rotary_reference)):
+    for got, want in zip(fn(*inputs, backend=backend), fn(*inputs, rotate=rope_reference)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *xs: fn(*xs, backend=backend), inputs, fast_mode=interpreted(backend))
 
@@ -433,7 +433,7 @@ def test_qk_norm_reference_is_hugging_face_math(family, offset):
             norm.weight.copy_(torch.randn(16))
         norms.append(norm)
     want = modeling.apply_rotary_pos_emb(norms[0](q), norms[1](k), cos, sin)
-    got = apply_rotary_reference(q, k, cos, sin, q_norm_weight=norms[0].weight, k_norm_weight=norms[1].weight,
+    got = rope_reference(q, k, cos, sin, q_norm_weight=norms[0].weight, k_norm_weight=norms[1].weight,
                                  norm_eps=1e-6, norm_weight_offset=offset)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -453,6 +453,18 @@ def test_qk_norm_reference_is_hugging_face_math(family, offset):
 )
 def test_bad_qk_norm_arguments_name_the_argument(changes, error, words):
     with pytest.raises(error) as raised:
-        apply_rotary(**_bad(), **changes)
+        rope(**_bad(), **changes)
     for word in words:
         assert word in str(raised.value)
+
+
+def test_apply_rotary_is_a_deprecated_alias_of_rope():
+    from te_lab import kernels
+
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
+    for old, new in ((kernels.apply_rotary, rope), (kernels.apply_rotary_reference, rope_reference)):
+        renamed = f"te_lab.kernels.{old.__name__} is now te_lab.kernels.{new.__name__}"
+        with pytest.warns(DeprecationWarning, match=renamed):
+            got = old(q, k, cos, sin)
+        torch.testing.assert_close(got, new(q, k, cos, sin), rtol=0, atol=0)

@@ -213,7 +213,7 @@ def _rope(dtype, head_dim: int, *, interleaved: bool = False, rotary: int = 0, l
         cos = torch.empty(seq, rotary or head_dim, dtype=table_dtype or dtype)
         sin = torch.empty(seq, rotary or head_dim, dtype=table_dtype or dtype)
         weights = [_leaf(head_dim, dtype=weight_dtype or dtype) for _ in range(2)] if qk_norm else [None, None]
-        _backward(kernels.apply_rotary(q, k, cos, sin, interleaved=interleaved, layout=layout,
+        _backward(kernels.rope(q, k, cos, sin, interleaved=interleaved, layout=layout,
                                        q_norm_weight=weights[0], k_norm_weight=weights[1], backend="triton"),
                   [q, k, *weights])
     return run

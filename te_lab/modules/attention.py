@@ -1,5 +1,5 @@
 """Fused twins of self-attention blocks: the projections stay GEMMs, rotary embedding
-of q and k is one pass (``apply_rotary``), and softmax attention is the block-wise
+of q and k is one pass (``rope``), and softmax attention is the block-wise
 kernel that never holds the score matrix (``attention``).
 
 - :class:`FusedAttention`: q/k/v projections, separate (``q_proj``/``k_proj``/``v_proj``:
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from te_lab.kernels.attention import ATTENTION, attention
 from te_lab.kernels.linear import LINEAR
 from te_lab.kernels.rms_norm import RMS_NORM, rms_norm
-from te_lab.kernels.rope import ROPE, apply_rotary
+from te_lab.kernels.rope import ROPE, rope
 
 from .base import FusedModule
 from .call_arguments import forward_signature, named_arguments
@@ -149,7 +149,7 @@ class FusedAttention(_FusedSelfAttention):
     applied over each head or the whole projection (``qk_norm_scope``); with
     ``qk_rms_norms`` (``(eps, weight_offset)`` of each, found by the rule) they run on the
     children's weights: over each head, inside the fused rotation's one pass over q and k
-    (``apply_rotary``'s norm weights); over the whole projection (OLMo 2, whose norm spans
+    (``rope``'s norm weights); over the whole projection (OLMo 2, whose norm spans
     every head) or without a fused rotation, as te_lab's ``rms_norm``. Otherwise the
     children are called. ``sinks``: the name
     of a per-head Parameter of attention-sink logits. ``softcap``: scores become
@@ -231,7 +231,7 @@ class FusedAttention(_FusedSelfAttention):
             (eps, weight_offset), _ = self.qk_rms_norms
             q_weight, k_weight = (self._modules[name]._parameters["weight"] for name in self.qk_norms)
             norm = dict(q_norm_weight=q_weight, k_norm_weight=k_weight, norm_eps=eps, norm_weight_offset=weight_offset)
-        return apply_rotary(q, k, cos, sin, interleaved=self.rotary.startswith("interleaved"),
+        return rope(q, k, cos, sin, interleaved=self.rotary.startswith("interleaved"),
                             backend=self.backend_for(ROPE) if self.fused_rope else "reference", **norm)
 
     def forward(self, *args, **kwargs):
