@@ -14,7 +14,7 @@ import te_lab
 from te_lab import models
 from te_lab.kernels import rms_norm, rms_norm_reference
 from te_lab.profiler.correction import OVERHEAD_WARNING
-from te_lab.profiler.engine import LOSS_KEY, TARGET_KEY
+from te_lab.profiler.modes import LOSS_KEY, TARGET_KEY
 from te_lab.profiler.report import OTHER_KEY
 
 

@@ -1,10 +1,7 @@
 """te_lab.profile: run a target eager and fused, interleaved, and report the difference.
 
-Targets:
-- a fused model: "eager" runs it inside ``te_lab.unfused(model)``, "fused" as it is;
-- a callable: "eager" runs it with every te_lab op on its reference (unfused) math
-  (``te_lab.use_backend("reference")``), "fused" with the automatic backends;
-- a pair ``(baseline, candidate)``: "eager" is the baseline, "fused" the candidate.
+What the two modes are for each kind of target (a fused model, a callable, a
+``(baseline, candidate)`` pair, the models a statement uses) is :mod:`.modes`.
 
 A step is the forward on ``inputs`` and, with ``backward=True``, the gradients of its
 loss (the output's ``loss``, else the sum of its tensors) w.r.t. every parameter and
@@ -34,17 +31,15 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from te_lab import device as devices, distributed
-from te_lab.inputs import ProbeInputs, as_call_inputs, output_tensors
-from te_lab.kernels import use_backend
+from te_lab.inputs import output_tensors
 from te_lab.options import check_budget, check_steps, check_warmup
-from te_lab.surgery import fusions, is_fused, unfused
+from te_lab.surgery import is_fused
 
 from . import compiles, correction, intervals, regions, trace_files
 from .attribution import attribute
@@ -52,6 +47,7 @@ from .chatter import without_profiler_chatter
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .expert_load import FORMULA as EXPERT_LOAD_FORMULA, LoadRecorder
+from .modes import LOSS_KEY, Mode, statement_modes, target_modes
 from .report import (
     OTHER_KEY,
     Ceilings,
@@ -66,8 +62,6 @@ from .report import (
 )
 from .sampler import UtilizationSampler
 
-LOSS_KEY = "(model) lm_head + loss"
-TARGET_KEY = "(target)"  # the region of a callable target
 # Profiled steps per mode: the profiler's own hiccups (a few ms on a busy CPU) hit single
 # ops at random, so each region's times are medians over these steps, and each module's
 # speedup interval is bootstrapped over them.
@@ -112,116 +106,6 @@ FORMULAS = {
 }
 
 
-def _gradients(loss: torch.Tensor, leaves: list) -> None:
-    torch.autograd.grad(loss, leaves, allow_unused=True)
-
-
-def _backward_through_reducer(loss: torch.Tensor, leaves: list) -> None:
-    """``loss.backward()`` with every ``.grad`` put back as it was: DDP all-reduces in
-    hooks that run as ``.grad`` is written, which ``torch.autograd.grad`` never does."""
-    saved = [leaf.grad for leaf in leaves]
-    for leaf in leaves:
-        leaf.grad = None
-    try:
-        loss.backward()
-    finally:
-        for leaf, grad in zip(leaves, saved):
-            leaf.grad = grad
-
-
-@dataclass
-class _Mode:
-    name: str
-    run: Callable[[], Any]
-    context: Callable[[], ContextManager]
-    leaves: list
-    labels: Callable[[], dict]  # key -> module to label, resolved inside the context
-    backpropagate: Callable[[torch.Tensor, list], None] = _gradients
-
-
-def _floating_leaves(inputs) -> tuple[Any, list]:
-    """Copies of the inputs whose floating-point tensors require grad, and those tensors."""
-    leaves = []
-
-    def prepare(value):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            copy = value.detach().clone().requires_grad_(True)
-            leaves.append(copy)
-            return copy
-        if isinstance(value, (tuple, list)):
-            return type(value)(prepare(v) for v in value)
-        if isinstance(value, dict):
-            return {k: prepare(v) for k, v in value.items()}
-        return value
-
-    return prepare(inputs), leaves
-
-
-def _caller(fn: Callable, inputs, region: Optional[str] = None) -> Callable[[], Any]:
-    """``fn`` on ``inputs``; with ``region``, inside that labelled region."""
-    probe_inputs = as_call_inputs(inputs, "te_lab.profile", "inputs") if inputs is not None else ProbeInputs()
-    if region is None:
-        return lambda: fn(*probe_inputs.args, **probe_inputs.kwargs)
-
-    def run():
-        with record_function(regions.PREFIX + region):
-            return fn(*probe_inputs.args, **probe_inputs.kwargs)
-    return run
-
-
-def _model_labels(model: nn.Module) -> Callable[[], dict]:
-    """Key -> module path of every fusion (the LM head's key labels the head module,
-    which only the eager forward calls); resolved inside each mode's context, where
-    the path holds the twin or the original."""
-    paths = {LOSS_KEY if f.replaces_forward else f.path: (f.twin.head_name if f.replaces_forward else f.path)
-             for f in fusions(model)}
-    return lambda: {key: model.get_submodule(path) for key, path in paths.items()}
-
-
-def _key_info(model: nn.Module) -> dict:
-    """Key -> (op kind, the original module's type, the fusion probe's errors) for every
-    fusion of ``model``."""
-    return {(LOSS_KEY if f.replaces_forward else f.path): (f.kind, f.original_type,
-                                                           getattr(f.twin, "verification", ""))
-            for f in fusions(model)}
-
-
-def _modes(target, inputs) -> tuple[list[_Mode], str, dict]:
-    """The two modes, a description of the target, and key -> (kind, module type)."""
-    if isinstance(target, nn.Module):
-        if not is_fused(target):
-            raise ValueError("te_lab.profile: target is a model with no te_lab fusions; fuse it first "
-                             "(te_lab.fuse) or pass a (baseline, candidate) pair of callables")
-        prepared, input_leaves = _floating_leaves(inputs)
-        leaves = [p for p in target.parameters() if p.requires_grad] + input_leaves
-        run = _caller(target, prepared)
-        model = distributed.unwrap(target)  # fusion paths are the wrapped model's
-        distributed.refuse_sharded(model, "te_lab.profile", "its eager mode would unfuse the model, whose originals "
-                                   "still hold the Parameters from before sharding; profile a (baseline, "
-                                   "candidate) pair of callables instead")
-        labels = _model_labels(model)
-        backpropagate = _backward_through_reducer if distributed.is_data_parallel(target) else _gradients
-        modes = [_Mode("eager", run, lambda: unfused(target), leaves, labels, backpropagate),
-                 _Mode("fused", run, contextlib.nullcontext, leaves, labels, backpropagate)]
-        description = type(model).__name__ if model is target else f"{type(target).__name__}({type(model).__name__})"
-        return modes, description, _key_info(model)
-    if isinstance(target, tuple) and len(target) == 2 and all(callable(t) for t in target):
-        prepared, leaves = _floating_leaves(inputs)
-        baseline, candidate = target
-        names = (getattr(baseline, "__name__", "baseline"), getattr(candidate, "__name__", "candidate"))
-        return ([_Mode("eager", _caller(baseline, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict),
-                 _Mode("fused", _caller(candidate, prepared, TARGET_KEY), contextlib.nullcontext, leaves, dict)],
-                f"{names[0]} vs {names[1]}", {TARGET_KEY: ("other", " vs ".join(names), "")})
-    if callable(target):
-        prepared, leaves = _floating_leaves(inputs)
-        run = _caller(target, prepared, TARGET_KEY)
-        name = getattr(target, "__name__", type(target).__name__)
-        return ([_Mode("eager", run, lambda: use_backend("reference"), leaves, dict),
-                 _Mode("fused", run, contextlib.nullcontext, leaves, dict)], name, {TARGET_KEY: ("other", name, "")})
-    raise TypeError(f"te_lab.profile: target must be a fused nn.Module, a callable or a (baseline, candidate) "
-                    f"pair of callables, got {type(target).__name__}")
-
-
 def _loss(output) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -232,7 +116,7 @@ def _loss(output) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-def _timed_step(mode: _Mode, backward: bool, device: torch.device) -> tuple[float, float, float, float]:
+def _timed_step(mode: Mode, backward: bool, device: torch.device) -> tuple[float, float, float, float]:
     """(step ms, forward ms, backward ms, process CPU seconds) of one step."""
     devices.synchronize(device)
     cpu_start = time.process_time()
@@ -286,7 +170,7 @@ def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int
     :class:`~te_lab.profiler.ProfileRun`.
     """
     _check_counts(steps, warmup, budget_s, "te_lab.profile")
-    modes, description, key_info = _modes(target, inputs)
+    modes, description, key_info = target_modes(target, inputs)
     if backward and not modes[0].leaves:
         raise ValueError("te_lab.profile: backward=True, but there is nothing to differentiate: no parameter of the "
                          "target requires grad and inputs hold no floating-point tensor; pass backward=False to "
@@ -315,34 +199,14 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
     for name, model in models.items():
         if not isinstance(model, nn.Module) or not is_fused(model):
             raise ValueError(f"te_lab.profile_statement: models[{name!r}] is not a model with te_lab fusions")
-    several = len(models) > 1
-    labels_of = {name: _model_labels(distributed.unwrap(model)) for name, model in models.items()}
-    key_info = {}
-    for name, model in models.items():
-        for key, info in _key_info(distributed.unwrap(model)).items():
-            key_info[f"{name}.{key}" if several else key] = info
-
-    def labels() -> dict:
-        return {f"{name}.{key}" if several else key: module
-                for name, resolve in labels_of.items() for key, module in resolve().items()}
-
-    def all_unfused():
-        stack = contextlib.ExitStack()
-        for model in models.values():
-            stack.enter_context(unfused(model))
-        return stack
-
-    leaves = [p for model in models.values() for p in model.parameters() if p.requires_grad]
-    if backward and not leaves:
+    modes, key_info = statement_modes(run, models)
+    if backward and not modes[0].leaves:
         raise ValueError("te_lab.profile_statement: backward=True, but no parameter of the models requires grad, "
                          "so there is nothing to differentiate; pass backward=False to profile the forward only")
-    backpropagate = (_backward_through_reducer if any(distributed.is_data_parallel(m) for m in models.values())
-                     else _gradients)
-    modes = [_Mode("eager", run, all_unfused, leaves, labels, backpropagate),
-             _Mode("fused", run, contextlib.nullcontext, leaves, labels, backpropagate)]
     first = next(iter(models.values()))
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     versions = [(p, p._version) for model in models.values() for p in model.parameters()]
+    several = len(models) > 1
     recorder = LoadRecorder({f"{name}." if several else "": distributed.unwrap(m) for name, m in models.items()})
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, _environment(dev, first, None, ", ".join(models)), dev, steps, warmup,
@@ -528,7 +392,7 @@ class _Profiled:
     peak_memory_source: str
 
 
-def _profiled_step(mode: _Mode, backward: bool, device: torch.device, detail: bool) -> _Profiled:
+def _profiled_step(mode: Mode, backward: bool, device: torch.device, detail: bool) -> _Profiled:
     """One step under the profiler. ``detail``: record shapes, FLOPs and memory too, which
     costs about ten times more per op event than the times alone (see :mod:`.correction`):
     the steps that time modules leave them out, and one detail step per mode gives bytes
