@@ -26,8 +26,8 @@ from te_lab import device as devices
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
 from .autocast import LIKE_LINEAR, inputs_cast_by
 from .checks import check_choice, check_tensor
-from .compiled import inductor_compiled
 from .costs.bias_act import COSTS
+from .inductor_compiled import inductor_compiled
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
 from .op_declaration import define_op

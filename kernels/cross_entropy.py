@@ -35,8 +35,8 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .checks import check_choice, check_label_tensor, check_labels_in_range, check_tensor
-from .compiled import inductor_compiled
 from .costs.cross_entropy import COSTS
+from .inductor_compiled import inductor_compiled
 from .measured_choice import op_sample, size_class
 from .op_declaration import define_op
 from .precision import compute_dtype, triton_compute_dtype

@@ -23,8 +23,8 @@ from te_lab import device as devices
 
 from .activations import ACTIVATION_CODES, ACTIVATIONS, activate, activation_grad
 from .checks import check_choice, check_like, check_tensor
-from .compiled import inductor_compiled
 from .costs.glu import COSTS
+from .inductor_compiled import inductor_compiled
 from .layout import shaped_like
 from .measured_choice import op_sample
 from .op_declaration import define_op

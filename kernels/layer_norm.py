@@ -24,8 +24,8 @@ from te_lab import device as devices
 
 from .autocast import FLOAT32, AutocastRule, inputs_cast_by
 from .checks import check_like, check_parameter, check_positive, check_tensor
-from .compiled import inductor_compiled
 from .costs.layer_norm import COSTS
+from .inductor_compiled import inductor_compiled
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
 from .op_declaration import define_op

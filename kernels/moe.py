@@ -281,7 +281,7 @@ class _Inductor:
     one GEMM per expert on a slice whose size is read from the routing (an unbacked size,
     so one graph serves every routing). Its per-call overhead (Dynamo's guards, ~0.1 ms)
     is small beside an MoE block's GEMMs, so the direct lowering the other ops use
-    (kernels/compiled.py), which cannot trace data-dependent sizes, is not needed."""
+    (kernels/inductor_compiled.py), which cannot trace data-dependent sizes, is not needed."""
 
     _forward = None
     _backward = None

@@ -51,9 +51,9 @@ from te_lab import device as devices
 
 from .autocast import register_autocast_rule
 from .checks import check_choice, check_parameter, check_positive, check_tensor
-from .compiled import inductor_compiled
 from .costs.rope import COSTS
 from .custom_ops import custom_op
+from .inductor_compiled import inductor_compiled
 from .measured_choice import op_sample
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import FusedOp, register_op, select_measured_backend
@@ -183,7 +183,7 @@ def _rotate_back_normalized(dq: Tensor, dk: Tensor, cos: Tensor, transposed: Ten
 
 
 # Layout, interleaving, the rank of cos/sin and whether norm weights come are part of the
-# compiled copy's key (see kernels/compiled.py), so each combination has its own
+# compiled copy's key (see kernels/inductor_compiled.py), so each combination has its own
 # recompile budget.
 _rotate_both_compiled = inductor_compiled(_rotate_both)
 _rotate_back_normalized_compiled = inductor_compiled(_rotate_back_normalized)

@@ -116,7 +116,7 @@ def capturing_scalar_outputs() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(capture_scalar_outputs=True)
 
 
-# ---- Inductor, for the inductor backend's direct lowering (kernels/compiled.py) ----
+# ---- Inductor, for the inductor backend's direct lowering (kernels/inductor_compiled.py) ----
 
 def lowering_api():
     """(compile_fx_inner, select_decomp_table): Inductor's graph compiler and the

@@ -9,7 +9,14 @@ import importlib.metadata
 import torch
 
 from te_lab import device as devices
-from te_lab.kernels import available_backends, compiled, cpu_kernels, measured_choice, registered_ops, select_backend
+from te_lab.kernels import (
+    available_backends,
+    cpu_kernels,
+    inductor_compiled,
+    measured_choice,
+    registered_ops,
+    select_backend,
+)
 from te_lab.kernels.registry import describe_backend
 from te_lab.version import __version__
 
@@ -64,7 +71,7 @@ def status_lines() -> list[str]:
     lines.append(triton_line(default.type))
     lines.append(cpp_line())
     lines.extend(measured_choice_lines())
-    slow = sorted(name for name, how in compiled.LOWERING.items() if how != "direct")
+    slow = sorted(name for name, how in inductor_compiled.LOWERING.items() if how != "direct")
     if slow:
         lines.append(f"inductor graphs run through torch.compile (their direct lowering failed): {', '.join(slow)}")
     versions = ", ".join(f"{package} {version or 'not installed'}" for package, version in package_versions().items())

@@ -1,10 +1,10 @@
-"""kernels/compiled.py: reference math lowered by Inductor and called without
+"""kernels/inductor_compiled.py: reference math lowered by Inductor and called without
 torch.compile's runtime gives the math's numbers for every call it serves."""
 
 import pytest
 import torch
 
-from te_lab.kernels.compiled import inductor_compiled
+from te_lab.kernels.inductor_compiled import inductor_compiled
 
 
 def _scaled_difference(a, b, scale: float):
