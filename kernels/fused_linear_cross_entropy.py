@@ -41,10 +41,11 @@ from .cross_entropy import (
     mean_over_labelled,
     measured_rows,
 )
-from .custom_ops import custom_op
 from .linear import matmul_nt, runs_on_onednn
+from .op_declaration import define_op
 from .precision import compute_dtype
-from .registry import FusedOp, register_op, select_measured_backend
+from .registry import select_measured_backend
+from .torch_internals import backward_keeps_graph, dispatch_modes_active
 
 NAME = "fused_linear_cross_entropy"
 
@@ -156,24 +157,7 @@ def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int, *, training: bool = 
     return {name: sample(name) for name in FUSED_LINEAR_CROSS_ENTROPY.cpu_measured}
 
 
-FUSED_LINEAR_CROSS_ENTROPY = register_op(FusedOp(
-    name=NAME,
-    reference=fused_linear_cross_entropy_reference,
-    implementations=dict(CHUNK_IMPLEMENTATIONS),
-    # The matmuls are most of the time; the chunks' row kernels are chosen by measuring
-    # them at the chunk's size. Measured on the 2-core CPU (fp32, forward and backward):
-    # chunks through the C++ row kernel, which writes the gradient over the chunk's
-    # logits, took 66 ms at 1024 tokens x 256 hidden x 8000 vocab against Inductor's 78 ms
-    # and the unfused path's 100 ms; 0.97 s at 4096 x 256 x 32000 (Inductor 0.99 s,
-    # unfused 2.7 s).
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor"),
-    cpu_samples=_cpu_samples,
-    costs=COSTS,
-))
-
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
+# ---- the op: te_lab::fused_linear_cross_entropy and its backward, what torch.compile and the profiler see ----
 
 _EMPTY = (0,)
 
@@ -182,11 +166,9 @@ def _or_empty(tensor: Optional[Tensor], like: Tensor) -> Tensor:
     return like.new_empty(_EMPTY) if tensor is None else tensor
 
 
-@custom_op("te_lab::fused_linear_cross_entropy")
-def _fused_linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                                   ignore_index: int, label_smoothing: float, z_loss: float, summed: bool,
-                                   chunk_size: int, need_hidden: bool, need_weight: bool, need_bias: bool,
-                                   backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
+             label_smoothing: float, z_loss: float, summed: bool, chunk_size: int, need_hidden: bool,
+             need_weight: bool, need_bias: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The summed loss (``summed``) or the per-token losses of hidden [tokens, in] and labels
     [tokens], with the needed gradients of the summed loss (empty tensors otherwise). The
     weight and bias gradients stay in the compute precision until the backward pass has
@@ -200,9 +182,8 @@ def _fused_linear_cross_entropy_op(hidden: Tensor, weight: Tensor, bias: Optiona
             _or_empty(grad_weight, weight), _or_empty(grad_bias, weight))
 
 
-@_fused_linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summed, chunk_size,
-      need_hidden, need_weight, need_bias, backend):
+def _forward_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summed, chunk_size,
+                  need_hidden, need_weight, need_bias, backend):
     loss = hidden.new_empty(() if summed else (hidden.shape[0],), dtype=compute_dtype(hidden))
     return (loss,
             hidden.new_empty(hidden.shape) if summed and need_hidden else hidden.new_empty(_EMPTY),
@@ -210,8 +191,7 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summe
             bias.new_empty(bias.shape, dtype=loss.dtype) if summed and need_bias else weight.new_empty(_EMPTY))
 
 
-@custom_op("te_lab::fused_linear_cross_entropy_backward")
-def _fused_linear_cross_entropy_backward_op(
+def _backward(
         dloss: Tensor, grad_hidden: Optional[Tensor], grad_weight: Optional[Tensor], grad_bias: Optional[Tensor],
         hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], labels: Optional[Tensor],
         ignore_index: int, label_smoothing: float, z_loss: float, chunk_size: int, need_hidden: bool,
@@ -230,9 +210,8 @@ def _fused_linear_cross_entropy_backward_op(
     return tuple(dloss.new_empty(_EMPTY) if grad is None else grad.to(dtype) for grad in gradients)
 
 
-@_fused_linear_cross_entropy_backward_op.register_fake
-def _(dloss, grad_hidden, grad_weight, grad_bias, hidden, weight, bias, labels, ignore_index, label_smoothing,
-      z_loss, chunk_size, need_hidden, need_weight, need_bias, dtype, backend):
+def _backward_fake(dloss, grad_hidden, grad_weight, grad_bias, hidden, weight, bias, labels, ignore_index,
+                   label_smoothing, z_loss, chunk_size, need_hidden, need_weight, need_bias, dtype, backend):
     if dloss.dim() == 0:
         shapes_of = (grad_hidden, grad_weight, grad_bias)
     else:
@@ -259,19 +238,15 @@ def _(dloss, grad_hidden, grad_weight, grad_bias):
     return None
 
 
-# Private, and absent from older torch: without it the stored gradients are always scaled
-# into new tensors.
-_KEEPS_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-
-
 def _scales_in_place(stored: tuple, dtype: torch.dtype) -> bool:
     """Whether this backward may scale the stored gradients in place: the graph is freed
     after it (no ``retain_graph``/``create_graph``, so nothing reads them again), they
     already have the inputs' dtype, and nothing traces it: no compiler, and no dispatch
     mode or tensor subclass (AOT autograd's functionalization cannot have a backward
-    mutate what the forward saved)."""
-    return (_KEEPS_GRAPH is not None and not torch.compiler.is_compiling() and not _KEEPS_GRAPH()
-            and not torch._C._len_torch_dispatch_stack()
+    mutate what the forward saved). Where torch cannot tell whether the graph is kept, the
+    stored gradients are scaled into new tensors."""
+    return (not torch.compiler.is_compiling() and backward_keeps_graph() is False
+            and not dispatch_modes_active()
             and all(tensor is None or (type(tensor) is Tensor and tensor.dtype == dtype) for tensor in stored))
 
 
@@ -290,7 +265,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dloss, _dgrad_hidden, _dgrad_weight, _dgrad_bias):
+def _gradients(ctx, dloss, _dgrad_hidden, _dgrad_weight, _dgrad_bias):
     need_hidden, need_weight, need_bias = ctx.options[4:7]
     if dloss is None or not (need_hidden or need_weight or need_bias):
         return (None,) * 13
@@ -300,17 +275,27 @@ def _backward(ctx, dloss, _dgrad_hidden, _dgrad_weight, _dgrad_bias):
         _scale_stored_gradients_op(dloss, *stored)
         grad_hidden, grad_weight, grad_bias = stored
     else:
-        grad_hidden, grad_weight, grad_bias = _fused_linear_cross_entropy_backward_op(
-            dloss, *stored, *inputs, *ctx.options)
+        grad_hidden, grad_weight, grad_bias = ctx.backward_op(dloss, *stored, *inputs, *ctx.options)
     return ((grad_hidden if need_hidden else None), (grad_weight if need_weight else None),
             (grad_bias if need_bias else None)) + (None,) * 10
 
 
-_fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
-# As F.linear then F.cross_entropy under autocast: hidden, weight and bias in the region's
-# low-precision dtype for the matmuls, the loss in float32 (which the chunks compute anyway).
-register_autocast_rule("fused_linear_cross_entropy", LIKE_LINEAR)
-register_autocast_rule("fused_linear_cross_entropy_backward")
+FUSED_LINEAR_CROSS_ENTROPY, _fused_linear_cross_entropy_op, _ = define_op(
+    NAME, reference=fused_linear_cross_entropy_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # As F.linear then F.cross_entropy under autocast: hidden, weight and bias in the region's
+    # low-precision dtype for the matmuls, the loss in float32 (which the chunks compute anyway).
+    autocast=LIKE_LINEAR,
+    # The cpp backend is Python around cross_entropy's C++ row kernels: no C++ overload.
+    backends=CHUNK_IMPLEMENTATIONS,
+    # The matmuls are most of the time; the chunks' row kernels are chosen by measuring
+    # them at the chunk's size. Measured on the 2-core CPU (fp32, forward and backward):
+    # chunks through the C++ row kernel, which writes the gradient over the chunk's
+    # logits, took 66 ms at 1024 tokens x 256 hidden x 8000 vocab against Inductor's 78 ms
+    # and the unfused path's 100 ms; 0.97 s at 4096 x 256 x 32000 (Inductor 0.99 s,
+    # unfused 2.7 s).
+    cpu_preference="cpp", cpu_measured=("cpp", "inductor"), cpu_samples=_cpu_samples, costs=COSTS)
+# The in-place scaling mutates its arguments: a torch.library.custom_op of its own.
 register_autocast_rule("fused_linear_cross_entropy_scale_")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, at, gemm_flops, nbytes, reading_inputs
+from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, gemm_flops, nbytes, reading_inputs
 
 
 def _head_and_loss_flops(hidden: TensorSpec, weight: TensorSpec) -> int:
@@ -21,9 +21,9 @@ _FORMULA = f"FLOPs: three products (logits, grad_hidden, grad_weight), {GEMM_FOR
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (hidden, weight, bias, labels, ...) -> (loss, grad_hidden like hidden,
-    #   grad_weight and grad_bias like weight and bias, in float32 (float64 for float64))
-    hidden, weight, bias = at(arguments, 0), at(arguments, 1), at(arguments, 2)
+    # -> (loss, grad_hidden like hidden, grad_weight and grad_bias like weight and bias, in
+    #   float32 (float64 for float64))
+    hidden, weight, bias = arguments.hidden, arguments.weight, arguments.bias
     if hidden is None or weight is None:
         return None
     gradients = hidden.nbytes + (weight.numel + (0 if bias is None else bias.numel)) * hidden.stats_itemsize
@@ -36,14 +36,13 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dloss, grad_hidden, grad_weight, grad_bias, hidden, weight, bias, labels, ...):
     # a 0-d dloss scales the stored gradients; a per-token dloss runs the chunks again.
-    dloss = at(arguments, 0)
+    dloss = arguments.dloss
     if dloss is None:
         return None
     if not dloss.shape:
         return scale_stored(arguments)
-    hidden, weight, bias = at(arguments, 4), at(arguments, 5), at(arguments, 6)
+    hidden, weight, bias = arguments.hidden, arguments.weight, arguments.bias
     if hidden is None or weight is None:
         return None
     return reading_inputs(arguments, hidden.nbytes + weight.nbytes + nbytes(bias), _head_and_loss_flops(hidden, weight),
@@ -52,8 +51,8 @@ def backward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def scale_stored(arguments: Arguments) -> Optional[OpCost]:
-    # (dloss, grad_hidden, grad_weight, grad_bias): each stored gradient times dloss
-    stored = [t for t in arguments[1:4] if t is not None]
+    # each stored gradient times dloss
+    stored = [t for t in (arguments.grad_hidden, arguments.grad_weight, arguments.grad_bias) if t is not None]
     return reading_inputs(arguments, sum(t.nbytes for t in stored), sum(t.numel for t in stored),
                           "inputs read + the stored gradients written (in place, or like them); FLOPs: 1 per "
                           "gradient element")
