@@ -52,12 +52,12 @@ from torch import Tensor
 from te_lab import device as devices
 
 from .activations import ACTIVATIONS, activate, activation_grad
-from .autocast import register_autocast_rule
 from .checks import check_choice, check_tensor
 from .costs.moe import COSTS
-from .custom_ops import custom_op
+from .op_declaration import define_op
 from .precision import compute_dtype, float32_matmul_allows_tf32
-from .registry import Call, FusedOp, choose, register_op
+from .registry import Call, choose
+from .torch_internals import capturing_scalar_outputs, check as check_size
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "moe"
@@ -201,7 +201,7 @@ class _SlicedGemms:
         for expert, count in enumerate(counts):
             # The last slice as what the others leave: the result then has rows' size symbolically.
             count = rows.shape[0] - start if expert == len(counts) - 1 else count
-            torch._check(count >= 0)
+            check_size(count >= 0)
             w = weight[expert]
             pieces.append(rows.narrow(0, start, count) @ (w.t() if transpose else w))
             start = start + count
@@ -213,7 +213,7 @@ class _SlicedGemms:
         ``right`` [R, N] (a weight gradient)."""
         pieces, start = [], 0
         for count in counts.tolist():
-            torch._check(count >= 0)
+            check_size(count >= 0)
             pieces.append(left.narrow(0, start, count).t() @ right.narrow(0, start, count))
             start = start + count
         return torch.stack(pieces)
@@ -294,12 +294,12 @@ class _Inductor:
 
     @classmethod
     def forward(cls, *args):
-        with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        with capturing_scalar_outputs(), torch.no_grad():
             return cls._compiled("_forward", _compiled_forward)(*args)
 
     @classmethod
     def backward(cls, *args):
-        with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad():
+        with capturing_scalar_outputs(), torch.no_grad():
             return cls._compiled("_backward", _compiled_backward)(*args)
 
 
@@ -454,26 +454,6 @@ class _Triton:
 
 # ---- the cpp backend ----
 
-class _Cpp:
-    """te_lab's C++ op (kernels/cpp/moe.cpp). An eager call reaches it through the op's C++
-    overload, autograd and all (custom_ops); these run it for the dispatched path."""
-
-    @staticmethod
-    def forward(*args):
-        return torch.ops.te_lab.moe.cpp(*args)
-
-    @staticmethod
-    def backward(*args):
-        dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = torch.ops.te_lab.moe_backward.cpp(*args)
-        has_gate_up_bias, has_down_bias = args[7] is not None, args[8] is not None
-        return (dx, dweights, dgate_up, ddown, dgate_up_bias if has_gate_up_bias else None,
-                ddown_bias if has_down_bias else None)
-
-
-_IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
-if HAS_TRITON:
-    _IMPLEMENTATIONS["triton"] = _Triton
-
 def _declines(backend: str, call: Call) -> Optional[str]:
     """Triton 3.2's tl.dot has no float64: the triton backend declines it (an automatic
     choice then takes ``inductor``)."""
@@ -483,25 +463,17 @@ def _declines(backend: str, call: Call) -> Optional[str]:
     return None
 
 
-MOE = register_op(FusedOp(
-    name=NAME,
-    reference=moe_reference,
-    implementations=_IMPLEMENTATIONS,
-    cpu_preference="cpp",
-    costs=COSTS,
-    declines=_declines,
-))
+# ---- the op: te_lab::moe and its backward ----
 
-
-# ---- the torch.library custom ops ----
-
+_IMPLEMENTATIONS = {"inductor": _Inductor}
+if HAS_TRITON:
+    _IMPLEMENTATIONS["triton"] = _Triton
 _EMPTY = (0,)
 
 
-@custom_op("te_lab::moe")
-def _moe_op(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
-            gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], transposed: bool, interleaved: bool,
-            activation: str, alpha: float, limit: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _forward(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
+             gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], transposed: bool, interleaved: bool,
+             activation: str, alpha: float, limit: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """(out [T, H], h [T*k, 2I], y [T*k, H]): h and y, in expert order, are for the backward."""
     return _IMPLEMENTATIONS[backend].forward(x, weights, indices, gate_up, down, gate_up_bias, down_bias,
                                              transposed, interleaved, activation, alpha, limit)
@@ -512,19 +484,17 @@ def _gate_up_width(gate_up: Tensor, transposed: bool) -> int:
     return gate_up.shape[2] if transposed else gate_up.shape[1]
 
 
-@_moe_op.register_fake
-def _(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, activation, alpha,
-      limit, backend):
+def _forward_fake(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, activation,
+                  alpha, limit, backend):
     rows = indices.numel()
     return (x.new_empty(x.shape), x.new_empty((rows, _gate_up_width(gate_up, transposed))),
             x.new_empty((rows, x.shape[1])))
 
 
-@custom_op("te_lab::moe_backward")
-def _moe_backward_op(dout: Tensor, x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
-                     gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], h: Tensor, y: Tensor,
-                     transposed: bool, interleaved: bool, activation: str, alpha: float, limit: float,
-                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward(dout: Tensor, x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor,
+              gate_up_bias: Optional[Tensor], down_bias: Optional[Tensor], h: Tensor, y: Tensor, transposed: bool,
+              interleaved: bool, activation: str, alpha: float, limit: float,
+              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias); a bias's gradient is
     empty where the bias is None."""
     grads = _IMPLEMENTATIONS[backend].backward(dout.contiguous(), x, weights, indices, gate_up, down, gate_up_bias,
@@ -532,9 +502,8 @@ def _moe_backward_op(dout: Tensor, x: Tensor, weights: Tensor, indices: Tensor, 
     return tuple(x.new_empty(_EMPTY) if grad is None else grad for grad in grads)
 
 
-@_moe_backward_op.register_fake
-def _(dout, x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y, transposed, interleaved, activation,
-      alpha, limit, backend):
+def _backward_fake(dout, x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y, transposed, interleaved,
+                   activation, alpha, limit, backend):
     def like(t):
         return x.new_empty(_EMPTY) if t is None else t.new_empty(t.shape)
     return like(x), like(weights), like(gate_up), like(down), like(gate_up_bias), like(down_bias)
@@ -546,22 +515,22 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(h, y)
     ctx.save_for_backward(x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y)
     ctx.options = tuple(options)
-    ctx.backend = backend
 
 
-def _backward(ctx, dout, _dh, _dy):
+def _gradients(ctx, dout, _dh, _dy):
     x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y = ctx.saved_tensors
-    dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = _moe_backward_op(
+    dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias = ctx.backward_op(
         dout, x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y, *ctx.options, ctx.backend)
     return (dx, dweights, None, dgate_up, ddown, None if gate_up_bias is None else dgate_up_bias,
             None if down_bias is None else ddown_bias, None, None, None, None, None, None)
 
 
-_moe_op.register_autograd(_backward, setup_context=_setup_context)
-# Hugging Face's default experts (grouped_mm) are on no autocast list: under autocast they
-# compute in the weights' dtype, and so does this op (in its inputs' dtypes).
-register_autocast_rule("moe")
-register_autocast_rule("moe_backward")
+MOE, _moe_op, _ = define_op(
+    NAME, reference=moe_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # Hugging Face's default experts (grouped_mm) are on no autocast list: under autocast they
+    # compute in the weights' dtype, and so does this op (in its inputs' dtypes).
+    backends=_IMPLEMENTATIONS, cpp=True, cpu_preference="cpp", costs=COSTS, declines=_declines)
 
 
 # ---- the public functions ----

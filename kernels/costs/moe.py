@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, at, gemm_flops, nbytes, reading_inputs
+from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, gemm_flops, nbytes, reading_inputs
 
 
 def _sizes(x: TensorSpec, indices: TensorSpec, gate_up: TensorSpec, down: TensorSpec) -> Optional[tuple]:
@@ -18,9 +18,8 @@ def _sizes(x: TensorSpec, indices: TensorSpec, gate_up: TensorSpec, down: Tensor
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed, interleaved, activation, alpha,
-    #  limit, backend) -> (out like x, h [R, 2I], y [R, H])
-    x, indices, gate_up, down = at(arguments, 0), at(arguments, 2), at(arguments, 3), at(arguments, 4)
+    # -> (out like x, h [R, 2I], y [R, H])
+    x, indices, gate_up, down = arguments.x, arguments.indices, arguments.gate_up, arguments.down
     if x is None or indices is None or gate_up is None or down is None or _sizes(x, indices, gate_up, down) is None:
         return None
     rows, hidden, width = _sizes(x, indices, gate_up, down)
@@ -33,15 +32,14 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dout, x, weights, indices, gate_up, down, gate_up_bias, down_bias, h, y, ...) ->
-    # (dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias)
-    x, weights, indices = at(arguments, 1), at(arguments, 2), at(arguments, 3)
-    gate_up, down = at(arguments, 4), at(arguments, 5)
+    # -> (dx, dweights, dgate_up, ddown, dgate_up_bias, ddown_bias)
+    x, weights, indices = arguments.x, arguments.weights, arguments.indices
+    gate_up, down = arguments.gate_up, arguments.down
     if None in (x, weights, indices, gate_up, down) or _sizes(x, indices, gate_up, down) is None:
         return None
     rows, hidden, width = _sizes(x, indices, gate_up, down)
-    written = (x.nbytes + weights.nbytes + gate_up.nbytes + down.nbytes + nbytes(at(arguments, 6))
-               + nbytes(at(arguments, 7)))
+    written = (x.nbytes + weights.nbytes + gate_up.nbytes + down.nbytes + nbytes(arguments.gate_up_bias)
+               + nbytes(arguments.down_bias))
     flops = (2 * (gemm_flops(rows, 2 * width, hidden) + gemm_flops(rows, hidden, width))
              + rows * (10 * width + 4 * hidden))
     return reading_inputs(arguments, written, flops,

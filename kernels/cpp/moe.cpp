@@ -294,15 +294,7 @@ std::tuple<Tensor, Tensor, Tensor> moe_autograd(c10::DispatchKeySet keys, const 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("moe.cpp(Tensor x, Tensor weights, Tensor indices, Tensor gate_up, Tensor down, Tensor? gate_up_bias,"
-        " Tensor? down_bias, bool transposed, bool interleaved, str activation, float alpha, float limit)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("moe_backward.cpp(Tensor dout, Tensor x, Tensor weights, Tensor indices, Tensor gate_up, Tensor down,"
-        " Tensor? gate_up_bias, Tensor? down_bias, Tensor h, Tensor y, bool transposed, bool interleaved,"
-        " str activation, float alpha, float limit) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
-
+// The schemas are kernels/moe.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("moe.cpp", &moe_forward);
   m.impl("moe_backward.cpp", &moe_backward);
