@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .autocast import LIKE_LINEAR, inputs_cast_by, register_autocast_rule
+from .autocast import LIKE_LINEAR, inputs_cast_by
 from .checks import check_tensor
 from .costs.linear import COSTS
-from .custom_ops import custom_op
 from .layout import as_rows, shaped_like
-from .registry import Call, FusedOp, aten_kernel_exists, choose, register_op
+from .op_declaration import define_op
+from .registry import Call, aten_kernel_exists, choose
 
 NAME = "linear"
 
@@ -123,37 +123,19 @@ def _declines(backend: str, call: Call) -> Optional[str]:
     return None
 
 
-LINEAR = register_op(FusedOp(
-    name=NAME,
-    reference=linear_reference,
-    implementations=_IMPLEMENTATIONS,
-    # Where oneDNN runs, whether it pays is measured per class of sizes (float32 calls,
-    # _call); torch's own F.linear where it is not measured (TE_LAB_CHOICES=off, another dtype).
-    cpu_preference="reference",
-    cpu_measured=("native", "reference"),
-    cpu_samples=_sample_products,
-    native_supports=_native_supports,
-    costs=COSTS,
-    declines=_declines,
-))
+# ---- the op: te_lab::linear and its backward, what torch.compile and the profiler see ----
 
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
-@custom_op("te_lab::linear")
-def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend: str) -> Tensor:
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend: str) -> Tensor:
     y = _IMPLEMENTATIONS[backend].forward(as_rows(x), weight, bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
-@_linear_op.register_fake
-def _(x, weight, bias, backend):
+def _forward_fake(x, weight, bias, backend):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@custom_op("te_lab::linear_backward")
-def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool,
-                        backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool, need_bias: bool,
+              backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dweight, dbias = _IMPLEMENTATIONS[backend].backward(
         as_rows(dy), as_rows(x), weight, need_x, need_weight, need_bias)
     return (x.new_empty(_EMPTY) if dx is None else shaped_like(dx, x),
@@ -161,8 +143,7 @@ def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, nee
             x.new_empty(_EMPTY) if dbias is None else dbias)
 
 
-@_linear_backward_op.register_fake
-def _(dy, x, weight, need_x, need_weight, need_bias, backend):
+def _backward_fake(dy, x, weight, need_x, need_weight, need_bias, backend):
     return (x.new_empty(x.shape) if need_x else x.new_empty(_EMPTY),
             weight.new_empty(weight.shape) if need_weight else x.new_empty(_EMPTY),
             dy.new_empty(dy.shape[-1:]) if need_bias else x.new_empty(_EMPTY))
@@ -172,21 +153,28 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, backend = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.backend = backend
 
 
-def _backward(ctx, dy):
+def _gradients(ctx, dy):
     x, weight = ctx.saved_tensors
     need_x, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
         ctx.has_bias and ctx.needs_input_grad[2])
-    dx, dweight, dbias = _linear_backward_op(dy, x, weight, need_x, need_weight, need_bias, ctx.backend)
+    dx, dweight, dbias = ctx.backward_op(dy, x, weight, need_x, need_weight, need_bias, ctx.backend)
     return (dx if need_x else None), (dweight if need_weight else None), (dbias if need_bias else None), None
 
 
-_linear_op.register_autograd(_backward, setup_context=_setup_context)
-# As F.linear under autocast: x, weight and bias in the region's low-precision dtype.
-register_autocast_rule("linear", LIKE_LINEAR)
-register_autocast_rule("linear_backward")
+LINEAR, _linear_op, _ = define_op(
+    NAME, reference=linear_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # As F.linear under autocast: x, weight and bias in the region's low-precision dtype.
+    autocast=LIKE_LINEAR, backends=_IMPLEMENTATIONS,
+    # Where oneDNN runs, whether it pays is measured per class of sizes (float32 calls,
+    # _call); torch's own F.linear where it is not measured (TE_LAB_CHOICES=off, another dtype).
+    cpu_preference="reference",
+    cpu_measured=("native", "reference"),
+    cpu_samples=_sample_products,
+    native_supports=_native_supports,
+    declines=_declines, costs=COSTS)
 
 
 # ---- the public op ----

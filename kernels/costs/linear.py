@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, at, gemm_flops, reading_inputs
+from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, gemm_flops, reading_inputs
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
-    # (x, weight, bias, backend) -> y [..., out_features]
-    x, weight = at(arguments, 0), at(arguments, 1)
+    # -> y [..., out_features]
+    x, weight = arguments.x, arguments.weight
     if x is None or weight is None or len(weight.shape) != 2 or not x.shape or x.shape[-1] != weight.shape[1]:
         return None
     out_features, in_features = weight.shape
@@ -21,8 +21,8 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dy, x, weight, need_x, need_weight, need_bias, backend) -> (dx, dweight, dbias)
-    dy, x, weight = at(arguments, 0), at(arguments, 1), at(arguments, 2)
+    # -> (dx, dweight, dbias)
+    dy, x, weight = arguments.dy, arguments.x, arguments.weight
     if dy is None or x is None or weight is None or len(weight.shape) != 2 or not x.shape:
         return None
     out_features, in_features = weight.shape
