@@ -109,7 +109,7 @@ def test_a_gpu_trace_without_device_activity_falls_back_to_host_times_and_says_s
 
 
 def test_a_live_gpu_step_gets_the_same_figures_as_a_trace_file_would():
-    from te_lab.profiler import engine
+    from te_lab.profiler import assembly, measurement
     from te_lab.profiler.device_kernels import device_figures
 
     profiler = profiled_ops()
@@ -123,8 +123,8 @@ def test_a_live_gpu_step_gets_the_same_figures_as_a_trace_file_would():
         kernel.metadata_json = lambda: metadata
     trace = attribute(Injected(profiler, activities=device_side), "fused", None, on_gpu=True)
     assert [(e.path, e.start_us) for e in trace.timeline] == [("block", 0.0), ("mm", 1.0)]
-    profiled = engine._Profiled(trace, wall_ms=0.002, peak_memory_bytes=None, peak_memory_source="")
-    figures = {f.name: f.value for f in engine._device_figures("fused", profiled, 108)}
+    profiled = measurement.Profiled(trace, wall_ms=0.002, peak_memory_bytes=None, peak_memory_source="")
+    figures = {f.name: f.value for f in assembly._device_figures("fused", profiled, 108)}
     # over the 2 µs from the first kernel: kernels 2000..2400 and 3000..3600 ns
     assert figures["device busy"] == pytest.approx(1000 / 2000)
     assert figures["estimated SM efficiency"] == pytest.approx(0.5 * 1000 / 2000)

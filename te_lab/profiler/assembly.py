@@ -1,0 +1,242 @@
+"""From the measured steps to a ProfileReport: each mode's summary, module times taken to
+the unprofiled step, eager against fused per module and op kind with their intervals,
+totals, roofline points, utilization figures, and the formula of every figure."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import statistics
+from typing import Optional
+
+import torch
+from torch import nn
+
+from te_lab import device as devices, distributed
+from te_lab.inputs import output_tensors
+
+from . import compiles, correction, intervals
+from .device_kernels import device_figures
+from .estimates import BYTES_FORMULA
+from .expert_load import FORMULA as EXPERT_LOAD_FORMULA
+from .measurement import Profiled
+from .modes import LOSS_KEY
+from .report import (
+    OTHER_KEY,
+    Ceilings,
+    Comparison,
+    Environment,
+    Figure,
+    ModeSummary,
+    ProfileReport,
+    Region,
+    RooflinePoint,
+    Totals,
+)
+
+FORMULAS = {
+    "step_ms": "median over timed steps of the step's wall time (device timer), profiler off",
+    "spread_ms": "half the interquartile range of the step times",
+    "speedup": "eager step median / fused step median",
+    "speedup_interval": intervals.FORMULA + " of the timed steps",
+    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, x the ratio of the modes' "
+                               "attribution scales",
+    "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
+    "bytes_moved": BYTES_FORMULA,
+    "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
+    "traffic_change": "fused bytes moved / eager bytes moved - 1, summed over every module (estimates)",
+    "region_time": "CPU: the module's wall time in the profiled steps (median over them; forward: its region "
+                   "from entry to exit, nested regions left out; backward: the autograd nodes its forward made, "
+                   "each with the engine's gap before it); GPUs: its kernels' device time; x the mode's "
+                   "attribution scale",
+    "attribution_scale": correction.FORMULA,
+    "profiled_ratio": correction.RATIO_FORMULA,
+    "other": "unprofiled step median - the mode's scaled module times: ops no module owns (embeddings, residual "
+             "adds, glue, optimizer steps) and the Python between modules",
+    "compiles": compiles.FORMULA,
+    "fused_share": "fused step: time of the modules holding fused ops / the step (both scaled to the unprofiled "
+                   "step)",
+    "achieved_gbs": "bytes moved / region time",
+    "achieved_gflops": "FLOPs / region time",
+    "arithmetic_intensity": "FLOPs / bytes moved",
+    "communication_ms": "union of the intervals during which collectives ran in the profiled step (gloo's "
+                        "worker-thread events on the CPU, NCCL / MCCL kernels on GPUs), waiting for other ranks "
+                        "included; not part of the op time",
+    "expert_load": EXPERT_LOAD_FORMULA,
+}
+
+
+def _spread(values: list[float]) -> float:
+    if len(values) < 4:
+        return (max(values) - min(values)) / 2 if values else 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / 2
+
+
+def environment(device: torch.device, target, inputs, description: str) -> Environment:
+    try:
+        triton_version: Optional[str] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    tensors = output_tensors(inputs if not isinstance(inputs, dict) else list(inputs.values()))
+    shapes = [list(tensor.shape) for tensor in tensors]
+    floating = tensors + (list(target.parameters()) if isinstance(target, nn.Module) else [])
+    dtypes = {str(t.dtype).replace("torch.", "") for t in floating if t.is_floating_point()}
+    return Environment(str(device), devices.device_name(device), torch.__version__, triton_version,
+                       torch.get_num_threads(), ",".join(sorted(dtypes)) or "-", shapes, description,
+                       *distributed.rank_and_world_size())
+
+
+def mode_summary(name: str, samples: list, profiled: Profiled, backward: bool, device: torch.device) -> ModeSummary:
+    step, forward, back, cpu = (list(column) for column in zip(*samples))
+    summary = ModeSummary(name, step, forward, back if backward else [],
+                          statistics.median(step), _spread(step), statistics.median(forward),
+                          statistics.median(back) if backward else None, profiled.wall_ms,
+                          profiled.trace.launches, profiled.peak_memory_bytes, profiled.peak_memory_source)
+    if not devices.is_gpu(device):
+        summary.effective_parallelism = statistics.median(c / (s * 1e-3) for c, s in zip(cpu, step) if s > 0)
+    if profiled.trace.collectives:
+        summary.communication_ms = profiled.trace.communication_us / 1e3
+        summary.collectives = profiled.trace.collectives
+    return summary
+
+
+def correct_to_unprofiled(report: ProfileReport, traces: dict, device_times: bool) -> None:
+    """Scale each mode's region times to its unprofiled step (:mod:`.correction`), and
+    note what the profiler cost and any compilation a measured step paid for."""
+    for mode, summary in report.modes.items():
+        trace = traces[mode].trace
+        scale = correction.attribution_scale(summary.step_median_ms, summary.profiled_step_ms,
+                                             trace.attributed_us / 1e3,
+                                             # a GPU trace without device activity holds host times
+                                             device_times and bool(trace.kernels))
+        for region in trace.regions.values():
+            region.forward_ms *= scale
+            region.backward_ms *= scale
+        trace.attributed_us *= scale
+        summary.attribution_scale = scale
+        warning = correction.overhead_warning(mode, summary.step_median_ms, summary.profiled_step_ms)
+        if warning:
+            report.notes.append(warning)
+        if summary.compiles:
+            report.notes.append(f"warning: {summary.compiles} compilation events during the {mode} mode's timed or "
+                                f"profiled steps: its times include compiling (raise warmup)")
+
+
+def compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
+    keys = list(key_info) + [k for t in traces.values() for k in t.trace.regions if k not in key_info]
+    for key in dict.fromkeys(keys):
+        kind, module_type, verification = key_info.get(key, ("loss" if key == LOSS_KEY else "other", "", ""))
+        report.modules.append(Comparison(key, kind, module_type,
+                                         traces["eager"].trace.regions.get(key, Region()),
+                                         traces["fused"].trace.regions.get(key, Region()), verification))
+    other = Comparison(OTHER_KEY, "other")
+    for mode in ("eager", "fused"):
+        trace = traces[mode].trace
+        region = getattr(other, mode)
+        region.forward_ms = max(report.modes[mode].step_median_ms - trace.attributed_us / 1e3, 0.0)
+        region.launches = trace.launches - sum(r.launches for r in trace.regions.values())
+    report.modules.append(other)
+    by_kind: dict[str, Comparison] = {}
+    for comparison in report.modules:
+        merged = by_kind.setdefault(comparison.kind, Comparison(comparison.kind, comparison.kind))
+        for mode in ("eager", "fused"):
+            target, source = getattr(merged, mode), getattr(comparison, mode)
+            target.forward_ms += source.forward_ms
+            target.backward_ms += source.backward_ms
+            target.launches += source.launches
+            target.bytes_moved += source.bytes_moved
+            target.flops += source.flops
+    report.kinds = list(by_kind.values())
+    eager, fused = report.modes["eager"], report.modes["fused"]
+    fused_op_ms = sum(c.fused.total_ms for c in report.modules if c.key != OTHER_KEY)
+    all_fused_ms = sum(c.fused.total_ms for c in report.modules)
+    eager_bytes = sum(c.eager.bytes_moved for c in report.modules)
+    fused_bytes = sum(c.fused.bytes_moved for c in report.modules)
+    speedup_low = speedup_high = None
+    if fused.step_median_ms > 0 and len(eager.step_ms) >= 2:
+        speedup_low, speedup_high = intervals.ratio_interval(eager.step_ms, fused.step_ms)
+    report.totals = Totals(
+        eager.step_median_ms / fused.step_median_ms if fused.step_median_ms > 0 else float("nan"),
+        eager.step_median_ms - fused.step_median_ms, eager.launches - fused.launches, eager_bytes - fused_bytes,
+        fused_op_ms / all_fused_ms if all_fused_ms > 0 else 0.0,
+        fused.step_median_ms / eager.step_median_ms - 1 if eager.step_median_ms > 0 else float("nan"),
+        fused_bytes / eager_bytes - 1 if eager_bytes > 0 else None, speedup_low, speedup_high)
+    for mode in ("eager", "fused"):
+        for comparison in report.kinds:
+            region = getattr(comparison, mode)
+            if region.total_ms > 0 and region.bytes_moved > 0:
+                report.roofline.append(RooflinePoint(
+                    mode, comparison.key, region.flops / region.bytes_moved if region.bytes_moved else None,
+                    region.gflops, region.gbs, region.total_ms))
+
+
+def per_round_totals(runs: dict) -> dict:
+    """key -> mode -> the key's time (ms, as profiled) in each profiled round, before
+    :func:`median_run` replaces the first round's figures; "(other)" is the profiled wall
+    time no module accounts for."""
+    totals: dict = {}
+    for mode, profiled in runs.items():
+        for round_index, run in enumerate(profiled):
+            for key, region in run.trace.regions.items():
+                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms
+            attributed = sum(region.total_ms for region in run.trace.regions.values())
+            totals.setdefault(OTHER_KEY, {}).setdefault(mode, {})[round_index] = max(run.wall_ms - attributed, 0.0)
+    return totals
+
+
+def _scaled_rounds(per_round: dict, key: str, mode: str, scale: float) -> list:
+    """The key's per-round times scaled as the report's are (:func:`correct_to_unprofiled`)."""
+    rounds = per_round.get(key, {}).get(mode, {})
+    return [rounds.get(i, 0.0) * scale for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
+
+
+def module_intervals(report: ProfileReport, per_round: dict) -> None:
+    """Each module's and op kind's speedup interval over the paired profiled rounds,
+    scaled as its times were; a note when "(other)", which fusion does not touch, changed
+    measurably."""
+    members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
+    rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
+    for comparison, keys in rows:
+        eager, fused = ([sum(values) for values in zip(*(
+            _scaled_rounds(per_round, key, mode, report.modes[mode].attribution_scale) for key in keys))]
+            for mode in ("eager", "fused"))
+        if len(eager) < 2 or len(eager) != len(fused) or comparison.speedup is None or min(fused) <= 0:
+            continue
+        comparison.speedup_low, comparison.speedup_high = intervals.ratio_interval(eager, fused)
+    other = next(c for c in report.modules if c.key == OTHER_KEY)
+    if other.distinguishable:
+        report.notes.append(
+            f"warning: (other) ran {other.speedup:.2f}x [{other.speedup_low:.2f}, {other.speedup_high:.2f}] eager "
+            f"against fused, a change fusion cannot cause: it holds the same code in both modes (ops no fused "
+            f"module owns and the Python between ops); the machine's noise or the profiler's overhead moved it, "
+            f"so read the module rows' shares of the step with care")
+
+
+def _device_figures(mode: str, profiled: Profiled, multiprocessors: int) -> list[Figure]:
+    kernels = profiled.trace.kernels
+    start = kernels[0].start_ns if kernels else 0
+    return device_figures(kernels, start, start + int(profiled.wall_ms * 1e6), multiprocessors, mode,
+                          "the profiled step's wall time from its first device activity")
+
+
+def utilization(report: ProfileReport, samples: dict, sampler, traces: dict, device: torch.device) -> None:
+    peak = devices.peak(device)
+    report.ceilings = Ceilings(peak.memory_bandwidth_gbs, peak.fp32_tflops, peak.bf16_tflops, peak.source)
+    threads = torch.get_num_threads()
+    for mode, summary in report.modes.items():
+        if summary.effective_parallelism is not None:
+            report.utilization.append(Figure(
+                "effective parallelism", mode, summary.effective_parallelism, "threads",
+                "process CPU time / wall time of each timed step, median over steps",
+                f"against torch.get_num_threads() = {threads}"))
+            report.utilization.append(Figure(
+                "parallel efficiency", mode, min(summary.effective_parallelism / threads, 1.0), "fraction",
+                "effective parallelism / torch.get_num_threads()"))
+        if devices.is_gpu(device):
+            report.utilization.extend(_device_figures(mode, traces[mode], devices.multiprocessor_count(device)))
+    for series in sampler.series:
+        if series.values:
+            mean = statistics.mean(v for row in series.values for v in row) / 100
+            report.utilization.append(Figure(
+                f"mean {series.source} utilization", "both", mean, "fraction",
+                f"mean over samples and channels of {series.formula}", "sampled across every timed step"))
