@@ -2,7 +2,8 @@
 when forgotten: every registered op has its kernel file, its costs file, its export, its
 test file, its benchmark case (and GPU compile scenarios where it has Triton kernels), a
 row in README's op table and an entry in docs/api.md; every built-in rule is documented
-in the order it is tried and exercised by the fuse tests. (Two more steps are checked
+in the order it is tried and exercised by the fuse tests; every op is one ``define_op``
+declaration, whose C++ overloads the C++ kernels only register against. (Two more steps are checked
 where their subject is: every custom op's autocast kernel in test_autocast.py, every
 custom op's cost and hand count in test_costs.py.)"""
 
@@ -12,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import te_lab
 from te_lab import kernels
@@ -79,6 +81,90 @@ def test_every_op_with_triton_kernels_has_gpu_compile_scenarios_some_in_ci():
         own = [scenario for scenario in found if scenario.label.split(" ")[0] == name]
         assert own, f"te_lab/gpu_checks/kernel_scenarios.py has no scenario for {name}"
         assert any(scenario.in_ci for scenario in own), f"no scenario of {name} in CI_SCENARIOS"
+
+
+# Ops still wired by hand, each with why; every other op is one define_op declaration.
+NOT_YET_DECLARED = {
+    "adamw": "an optimizer step over parameter lists that it updates in place: not a custom op with autograd",
+    "rope": "converted once the work open in kernels/rope.py (the rename to rope) lands",
+    "attention": "converted once the work open in kernels/attention.py (issue 30's one dispatcher) lands",
+}
+# What only define_op does for a declared op.
+WIRING_CALLS = {"register_op", "custom_op", "CustomOp", "register_fake", "register_autograd",
+                "register_autocast_rule"}
+# Wiring calls a declared op's file may still make, with why.
+ALLOWED_WIRING = {
+    ("fused_linear_cross_entropy", "register_autocast_rule"): "te_lab::fused_linear_cross_entropy_scale_ mutates "
+                                                              "its arguments: a torch.library.custom_op of its own",
+    ("fused_linear_cross_entropy", "custom_op"): "the same op's definition",
+    ("fused_linear_cross_entropy", "register_fake"): "the same op's fake",
+}
+
+
+def calls_in(path: Path) -> list[str]:
+    """The names of the functions and methods a source file calls, decorators included."""
+    return [node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))]
+
+
+@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_YET_DECLARED)))
+def test_each_op_is_one_define_op_declaration(name):
+    calls = calls_in(REPO / "kernels" / f"{name}.py")
+    assert calls.count("define_op") == 1
+    assert sorted({call for call in calls if call in WIRING_CALLS} - {wiring for op, wiring in ALLOWED_WIRING
+                                                                      if op == name}) == []
+
+
+def test_the_declaration_check_sees_hand_wiring(tmp_path):
+    source = tmp_path / "my_op.py"
+    source.write_text("@custom_op('te_lab::my_op')\ndef f(x): ...\n@f.register_fake\ndef g(x): ...\n"
+                      "MY_OP = register_op(FusedOp(name='my_op'))\n")
+    assert sorted(set(calls_in(source)) & WIRING_CALLS) == ["custom_op", "register_op"]
+
+
+def cpp_sources_defining_schemas() -> list[str]:
+    """The C++ sources that define an operator schema (``m.def``) themselves."""
+    return sorted(path.stem for path in (REPO / "kernels" / "cpp").glob("*.cpp")
+                  if re.search(r"\bm\.def\(", path.read_text(encoding="utf-8")))
+
+
+def test_the_cpp_kernels_only_register_against_the_schemas_python_declares():
+    assert cpp_sources_defining_schemas() == sorted(set(NOT_YET_DECLARED) & {
+        path.stem for path in (REPO / "kernels" / "cpp").glob("*.cpp")})
+
+
+def declared_cpp_overloads() -> list[str]:
+    """``te_lab::<op>.<overload>`` for every C++ overload the declared ops define."""
+    packets = {name: getattr(torch.ops.te_lab, name) for name in dir(torch.ops.te_lab)}
+    return [f"te_lab::{name}.{overload}" for name, packet in packets.items() if hasattr(packet, "overloads")
+            for overload in packet.overloads() if overload != "default"
+            and name.removesuffix("_backward").removesuffix("_over_logits") not in NOT_YET_DECLARED]
+
+
+def test_the_cpp_library_registers_a_kernel_for_every_declared_cpp_overload():
+    from te_lab.kernels import cpu_kernels
+    from te_lab.kernels.torch_internals import argument_names, has_kernel
+
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(cpu_kernels.unavailable_reason())
+    overloads = declared_cpp_overloads()
+    assert {"te_lab::rms_norm.cpp", "te_lab::rms_norm_backward.cpp",
+            "te_lab::cross_entropy_backward.cpp_in_place"} <= set(overloads)
+    assert [overload for overload in overloads if not has_kernel(overload, "CPU")] == []
+    for overload in overloads:
+        op = overload.rsplit(".", 1)[0]
+        packet = getattr(torch.ops.te_lab, op.removeprefix("te_lab::"))
+        if overload.endswith(".cpp") and "default" in packet.overloads():
+            assert argument_names(overload) == argument_names(op)[:len(argument_names(overload))], overload
+
+
+def test_a_cpp_schema_is_the_op_schema_less_backend():
+    from te_lab.kernels.custom_ops import cpp_schema
+
+    assert cpp_schema("(Tensor x, float eps, str backend) -> Tensor") == "(Tensor x, float eps) -> Tensor"
+    with pytest.raises(ValueError, match="backend"):
+        cpp_schema("(Tensor x, float eps) -> Tensor")
 
 
 def readme_op_rows() -> dict[str, list[str]]:
