@@ -172,7 +172,7 @@ def compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
 
 def per_round_totals(runs: dict) -> dict:
     """key -> mode -> the key's time (ms, as profiled) in each profiled round, before
-    :func:`median_run` replaces the first round's figures; "(other)" is the profiled wall
+    :func:`.measurement.median_run` replaces the first round's figures; "(other)" is the profiled wall
     time no module accounts for."""
     totals: dict = {}
     for mode, profiled in runs.items():

@@ -12,14 +12,15 @@ gradient all-reduce runs and is measured (``.grad`` is put back as it was; with
 ``zero_grad()`` and the next step). Collectives' time is reported per mode as
 communication; in a distributed run the report records its rank (``report.save``
 writes ``report.rank<r>.json``).
+
 Timed steps run without the profiler (warm-up first, modes alternating which goes
 first each round); then one detail step per mode records shapes, FLOPs and memory (bytes
 moved, FLOPs, input shapes, peak memory), and profiled steps that record times alone,
 which cost the profiler a tenth as much per op, give the attribution, launches and
-timeline (see :mod:`.correction`). Module times are rescaled so each mode's modules and "(other)" add
-up to its unprofiled step (:mod:`.correction`), and compilations during timed or
-profiled steps are counted per mode (:mod:`.compiles`). The RNG state, parameters and
-gradients are left as found.
+timeline (:mod:`.measurement`). The report is assembled from them (:mod:`.assembly`):
+module times are rescaled so each mode's modules and "(other)" add up to its unprofiled
+step (:mod:`.correction`), and compilations during timed or profiled steps are counted
+per mode (:mod:`.compiles`). The RNG state, parameters and gradients are left as found.
 """
 
 from __future__ import annotations
