@@ -1,5 +1,6 @@
 """Expert load in live profiles (issue 26, item 3): profiling a fused Qwen3-MoE records the
-tokens routed to each expert of every fused MoE block in one fused step's forward, and
+tokens routed to each expert of every fused MoE block in one fused step's forward (the
+last warm-up step's), and
 the report carries them (object, JSON, summary) with each layer's imbalance and the
 overall one; the dashboard draws them as a heatmap layer x expert, only where the report
 has them; the static export adds the chart."""
@@ -92,9 +93,17 @@ def test_a_statement_profile_records_it_and_a_users_counts_survive(fused):
         with torch.no_grad():
             model(input_ids=ids)
     before = expert_load(model)
-    report = profile_statement(lambda: model(input_ids=ids, labels=ids).loss, {"model": model}, steps=1, warmup=0)
+    report = profile_statement(lambda: model(input_ids=ids, labels=ids).loss, {"model": model}, steps=1, warmup=1)
     assert [layer.tokens_per_expert for layer in report.expert_load.layers] == list(before.values())
     assert expert_load(model) == before
+
+
+def test_without_a_warm_up_step_there_is_no_load_and_the_notes_say_why(fused):
+    model, ids = fused
+    report = te_lab.profile(model, {"input_ids": ids}, steps=1, warmup=0)
+    assert report.expert_load is None
+    notes = "\n".join(report.notes)
+    assert "expert load: not recorded: the fused mode's last warm-up step counts it, and warmup=0" in notes
 
 
 def test_imbalance_per_layer_and_overall():

@@ -165,8 +165,12 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                                **({"device_type": dev.type} if devices.is_gpu(dev) else {})):
         for mode in modes:
             with mode.context():
-                for _ in range(warmup):
-                    measurement.timed_step(mode, backward, dev)
+                for step in range(warmup):
+                    # The fused mode's last warm-up step records the expert load of fused MoE
+                    # blocks, if any (.expert_load): no measured or profiled step counts.
+                    last = mode.name == "fused" and step == warmup - 1
+                    measurement.timed_step(dataclasses.replace(mode, run=expert_load.recording(mode.run)) if last
+                                           else mode, backward, dev)
                     advance()
         with UtilizationSampler(dev) as sampler:
             started = time.perf_counter()
@@ -194,14 +198,11 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         # The first profiled step per mode gives the details (shapes, bytes, FLOPs, memory),
         # not times: the profiler's first session in a process, and the first call of each
         # compiled graph under it, cost up to hundreds of ms that land on whichever op runs
-        # first. The fused one records the expert load of fused MoE blocks, if any
-        # (.expert_load), where counting costs nothing.
+        # first.
         for index in range(-1, profiled_steps):
             for mode in (modes if index % 2 == 0 else modes[::-1]):
                 with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
-                    profiled = measurement.profiled_step(
-                        mode if index >= 0 or mode.name != "fused" else dataclasses.replace(
-                            mode, run=expert_load.recording(mode.run)), backward, dev, detail=index < 0)
+                    profiled = measurement.profiled_step(mode, backward, dev, detail=index < 0)
                 if index >= 0:
                     runs[mode.name].append(profiled)
                 else:
@@ -223,6 +224,9 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     report.notes += [f"unavailable: {reason}" for reason in sampler.unavailable]
     report.notes += [note for mode in modes for note in traces[mode.name].trace.notes]
     report.expert_load = expert_load.load
+    if expert_load.models and not warmup:
+        report.notes.append("expert load: not recorded: the fused mode's last warm-up step counts it, and warmup=0 "
+                            "ran none (warmup=1 or more records it)")
     return report
 
 

@@ -1,11 +1,12 @@
 """Expert load in a live profile: the tokens routed to each expert of every fused MoE block.
 
 When the profiled models hold fused MoE blocks (:class:`te_lab.modules.FusedMoE`), the
-fused mode's first profiled step, the one thrown away before the kept ones, runs its
-forward inside :func:`te_lab.modules.record_expert_load`: each block counts, per expert,
-the tokens its router sent there (a token sent to k experts counts once for each). That
-step's figures are never used, so the counting (one scatter-add per block) changes no
-measured time. Only the forward counts: a forward recomputed in the backward (activation
+fused mode's last warm-up step runs its forward inside
+:func:`te_lab.modules.record_expert_load`: each block counts, per expert, the tokens its
+router sent there (a token sent to k experts counts once for each). No figure comes from
+a warm-up step, so the counting (a scatter-add per block) changes no measured time, launch
+count or byte; with ``warmup=0`` there is none to count in, and the report's notes say so.
+Only the forward counts: a forward recomputed in the backward (activation
 checkpointing) routes the same tokens again and is not counted twice. Counts a user was
 recording before the profile are put back after it.
 
@@ -29,7 +30,7 @@ FORMULA = ("tokens per expert: tokens the router sent to each expert in the forw
            "layer: its busiest expert's tokens / the mean tokens per expert (1.0: balanced; the number of "
            "experts: one expert took every token); overall: the sum over layers of the busiest expert's tokens / "
            "the sum over layers of the mean")
-STEP = "the fused mode's first profiled step (thrown away, so counting changes no measured time), its forward"
+STEP = "the fused mode's last warm-up step's forward (no figure comes from it, so counting changes none)"
 
 
 @dataclass
