@@ -49,14 +49,13 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import register_autocast_rule
 from .checks import check_choice, check_parameter, check_positive, check_tensor
 from .costs.rope import COSTS
-from .custom_ops import custom_op
 from .inductor_compiled import inductor_compiled
 from .measured_choice import op_sample
+from .op_declaration import define_op
 from .precision import compute_dtype, triton_compute_dtype
-from .registry import FusedOp, register_op, select_measured_backend
+from .registry import select_measured_backend
 from .rms_norm import rms_norm_reference
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
 
@@ -498,21 +497,6 @@ class _Triton:
         return _launch_triton(dq, dk, cos, sin, interleaved, layout, True, (q_weight, k_weight), eps, offset, (q, k))
 
 
-class _Cpp:
-    """te_lab's C++ kernels (kernels/cpp/rope.cpp): q and k rotated in one call, any
-    strides. An eager call reaches them through the op's C++ overload, autograd and all
-    (custom_ops); these run them for the dispatched path."""
-
-    @staticmethod
-    def forward(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset):
-        return torch.ops.te_lab.rope.cpp(q, k, cos, sin, interleaved, layout, q_weight, k_weight, eps, offset)
-
-    @staticmethod
-    def backward(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight, eps, offset):
-        return torch.ops.te_lab.rope_backward.cpp(dq, dk, cos, sin, interleaved, layout, q, k, q_weight, k_weight,
-                                                  eps, offset)
-
-
 def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool, normalized: bool, *,
                  training: bool = True):
     """One call (a training call, forward and backward, or a forward alone; through the
@@ -534,22 +518,12 @@ def _cpu_samples(dtype: torch.dtype, rows: int, head_dim: int, interleaved: bool
             for name in ROPE.cpu_measured}
 
 
-_IMPLEMENTATIONS = {"inductor": _Inductor, "cpp": _Cpp}
+# ---- the op: te_lab::rope and its backward, what torch.compile and the profiler see ----
+
+_IMPLEMENTATIONS = {"inductor": _Inductor}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
-ROPE = register_op(FusedOp(
-    name=NAME,
-    reference=rope_reference,
-    implementations=_IMPLEMENTATIONS,
-    cpu_preference="cpp",
-    cpu_measured=("cpp", "inductor", "reference"),
-    cpu_samples=_cpu_samples,
-    costs=COSTS,
-))
-
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
 
 def _memory_layout(q: Tensor, k: Tensor, layout: str) -> str:
     """The layout the backends work in: the other one when q and k are both transposed
@@ -592,21 +566,19 @@ def _empty_outputs(q: Tensor, k: Tensor, layout: str):
     return tuple(outputs)
 
 
-@custom_op("te_lab::rope")
-def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
+def _forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
              q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], norm_eps: float,
              norm_weight_offset: float, backend: str) -> tuple[Tensor, Tensor]:
     return _rotate_in_memory_layout("forward", q, k, cos, sin, interleaved, layout, backend, q_norm_weight,
                                     k_norm_weight, norm_eps, norm_weight_offset)
 
 
-@_rope_op.register_fake
-def _(q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset, backend):
+def _forward_fake(q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset,
+                  backend):
     return _empty_outputs(q, k, layout)
 
 
-@custom_op("te_lab::rope_backward")
-def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
+def _backward(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, layout: str,
                       q: Optional[Tensor], k: Optional[Tensor], q_norm_weight: Optional[Tensor],
                       k_norm_weight: Optional[Tensor], norm_eps: float, norm_weight_offset: float,
                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -616,9 +588,8 @@ def _rope_backward_op(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interlea
                                     q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset)
 
 
-@_rope_backward_op.register_fake
-def _(dq, dk, cos, sin, interleaved, layout, q, k, q_norm_weight, k_norm_weight, norm_eps, norm_weight_offset,
-      backend):
+def _backward_fake(dq, dk, cos, sin, interleaved, layout, q, k, q_norm_weight, k_norm_weight, norm_eps,
+                   norm_weight_offset, backend):
     weight_grads = _no_weight_gradients(dq) if q_norm_weight is None else (
         torch.empty_like(q_norm_weight, memory_format=torch.contiguous_format),
         torch.empty_like(k_norm_weight, memory_format=torch.contiguous_format))
@@ -630,22 +601,26 @@ def _setup_context(ctx, inputs, output):
     # QK-norm's backward recomputes each row's rstd from q and k themselves.
     norm = () if q_norm_weight is None else (q, k, q_norm_weight, k_norm_weight)
     ctx.save_for_backward(cos, sin, *norm)
-    ctx.interleaved, ctx.layout, ctx.eps, ctx.offset, ctx.backend = interleaved, layout, eps, offset, backend
+    ctx.interleaved, ctx.layout, ctx.eps, ctx.offset = interleaved, layout, eps, offset
 
 
-def _backward(ctx, dq_out, dk_out):
+def _gradients(ctx, dq_out, dk_out):
     cos, sin, *norm = ctx.saved_tensors
-    dq, dk, dq_weight, dk_weight = _rope_backward_op(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.layout,
-                                                     *(norm or (None,) * 4), ctx.eps, ctx.offset, ctx.backend)
+    dq, dk, dq_weight, dk_weight = ctx.backward_op(dq_out, dk_out, cos, sin, ctx.interleaved, ctx.layout,
+                                                   *(norm or (None,) * 4), ctx.eps, ctx.offset, ctx.backend)
     weight_grads = (dq_weight, dk_weight) if norm else (None, None)
     # cos and sin are constants of the model (functions of positions), never trained.
     return dq, dk, None, None, None, None, *weight_grads, None, None, None
 
 
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
-# The rotation's multiplies and adds are on no autocast list: q's and k's dtypes stay.
-register_autocast_rule("rope")
-register_autocast_rule("rope_backward")
+ROPE, _rope_op, _ = define_op(
+    NAME, reference=rope_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    # The rotation's multiplies and adds are on no autocast list: q's and k's dtypes stay.
+    backends=_IMPLEMENTATIONS,
+    # cpp: q and k rotated in one call, any strides, in the layout _memory_layout picks (kernels/cpp/rope.cpp).
+    cpp=True, cpu_preference="cpp", cpu_measured=("cpp", "inductor", "reference"), cpu_samples=_cpu_samples,
+    costs=COSTS)
 
 
 # ---- input checks ----

@@ -413,14 +413,7 @@ std::tuple<Tensor, Tensor> rope_autograd(c10::DispatchKeySet keys, const Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(te_lab, m) {
-  m.def("rope.cpp(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved, str layout, Tensor? q_norm_weight,"
-        " Tensor? k_norm_weight, float norm_eps, float norm_weight_offset) -> (Tensor, Tensor)");
-  m.def("rope_backward.cpp(Tensor dq, Tensor dk, Tensor cos, Tensor sin, bool interleaved, str layout, Tensor? q,"
-        " Tensor? k, Tensor? q_norm_weight, Tensor? k_norm_weight, float norm_eps, float norm_weight_offset)"
-        " -> (Tensor, Tensor, Tensor, Tensor)");
-}
-
+// The schemas are kernels/rope.py's (define_op), less `backend`.
 TORCH_LIBRARY_IMPL(te_lab, CPU, m) {
   m.impl("rope.cpp", &rope_forward);
   m.impl("rope_backward.cpp", &rope_backward);
