@@ -45,12 +45,12 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by, register_autocast_rule
+from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by
 from .checks import check_tensor
 from .costs.attention import COSTS
-from .custom_ops import custom_op
+from .op_declaration import define_op
 from .precision import compute_dtype, float32_matmul_allows_tf32
-from .registry import Call, FusedOp, aten_kernel_exists, choose, register_op
+from .registry import Call, aten_kernel_exists, choose
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
 
 NAME = "attention"
@@ -597,41 +597,27 @@ def _declines(backend: str, call: Call) -> Optional[str]:
 # No inductor backend: on this 2-core CPU torch.compile of the explicit formula runs
 # fwd+bwd 1.7x faster than the formula, SDPA's flash kernel 4.8x (fp32, causal, batch 4,
 # 16 heads, seq 1024, head_dim 64), so the CPU prefers native.
-ATTENTION = register_op(FusedOp(
-    name=NAME,
-    reference=attention_reference,
-    implementations=_IMPLEMENTATIONS,
-    cpu_preference="native",
-    costs=COSTS,
-    declines=_declines,
-))
+# ---- the op: te_lab::attention and its backward, what torch.compile and the profiler see ----
 
-
-# ---- the torch.library custom ops: what torch.compile and the profiler see ----
-
-@custom_op("te_lab::attention")
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sinks: Optional[Tensor], causal: bool,
-                  scale: float, backend: str) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sinks: Optional[Tensor], causal: bool,
+             scale: float, backend: str) -> tuple[Tensor, Tensor]:
     out, lse = _with_sinks(*_IMPLEMENTATIONS[backend].forward(q, k, v, mask, causal, scale), sinks)
     return _as_seq_major(out), _as_seq_major(lse)
 
 
-@_attention_op.register_fake
-def _(q, k, v, mask, sinks, causal, scale, backend):
+def _forward_fake(q, k, v, mask, sinks, causal, scale, backend):
     return _seq_major_empty(q.shape, q), _seq_major_empty(q.shape[:-1], q, compute_dtype(q))
 
 
-@custom_op("te_lab::attention_backward")
-def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                           sinks: Optional[Tensor], out: Tensor, lse: Tensor, causal: bool, scale: float,
-                           backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sinks: Optional[Tensor],
+              out: Tensor, lse: Tensor, causal: bool, scale: float,
+              backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grads = _IMPLEMENTATIONS[backend].backward(dout, q, k, v, mask, out, lse, causal, scale)
     dsinks = q.new_empty(0) if sinks is None else _sinks_grad(dout, out, lse, sinks)
     return (*(_as_seq_major(grad) for grad in grads), dsinks)
 
 
-@_attention_backward_op.register_fake
-def _(dout, q, k, v, mask, sinks, out, lse, causal, scale, backend):
+def _backward_fake(dout, q, k, v, mask, sinks, out, lse, causal, scale, backend):
     return (_seq_major_empty(q.shape, q), _seq_major_empty(k.shape, k), _seq_major_empty(v.shape, v),
             q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
@@ -640,25 +626,25 @@ def _setup_context(ctx, inputs, output):
     q, k, v, mask, sinks, causal, scale, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, sinks, out, lse)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.causal, ctx.scale = causal, scale
     ctx.set_materialize_grads(False)  # the log-sum-exp takes no gradient: no zeros for it
 
 
-def _backward(ctx, dout, _dlse):
+def _gradients(ctx, dout, _dlse):
     if dout is None:
         return None, None, None, None, None, None, None, None
     q, k, v, mask, sinks, out, lse = ctx.saved_tensors
-    dq, dk, dv, dsinks = _attention_backward_op(dout, q, k, v, mask, sinks, out, lse, ctx.causal, ctx.scale,
-                                                ctx.backend)
+    dq, dk, dv, dsinks = ctx.backward_op(dout, q, k, v, mask, sinks, out, lse, ctx.causal, ctx.scale, ctx.backend)
     return dq, dk, dv, None, (None if sinks is None else dsinks), None, None, None
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # As F.scaled_dot_product_attention under autocast: q, k, v (and a float mask) in the
 # region's low-precision dtype.
 AUTOCAST = AutocastRule(follows="aten::scaled_dot_product_attention", to=LOWER_PRECISION)
-register_autocast_rule("attention", AUTOCAST)
-register_autocast_rule("attention_backward")
+ATTENTION, _attention_op, _ = define_op(
+    NAME, reference=attention_reference, forward=_forward, forward_fake=_forward_fake,
+    backward=_backward, backward_fake=_backward_fake, setup_context=_setup_context, gradients=_gradients,
+    autocast=AUTOCAST, backends=_IMPLEMENTATIONS, cpu_preference="native", costs=COSTS, declines=_declines)
 
 
 # ---- the public op ----

@@ -86,8 +86,6 @@ def test_every_op_with_triton_kernels_has_gpu_compile_scenarios_some_in_ci():
 # Ops still wired by hand, each with why; every other op is one define_op declaration.
 NOT_YET_DECLARED = {
     "adamw": "an optimizer step over parameter lists that it updates in place: not a custom op with autograd",
-    "rope": "converted once the work open in kernels/rope.py (the rename to rope) lands",
-    "attention": "converted once the work open in kernels/attention.py (issue 30's one dispatcher) lands",
 }
 # What only define_op does for a declared op.
 WIRING_CALLS = {"register_op", "custom_op", "CustomOp", "register_fake", "register_autograd",
