@@ -298,7 +298,9 @@ def choose(op: FusedOp, call: Call) -> tuple[str, str]:
     direct = not (_OVERRIDES or torch.compiler.is_compiling() or dispatch_modes_active()
                   or function_modes_active())
     if direct:
-        key = (op, call.device.type, call.requested, _environment_value(), call.dtype, call.sizes, call.extras,
+        # The op by name: torch.compile reads the same dict (measured_choice.known) and
+        # cannot hash a FusedOp key there (its fields hold dicts), which broke the graph.
+        key = (op.name, call.device.type, call.requested, _environment_value(), call.dtype, call.sizes, call.extras,
                training)
         answer = measured_choice.remembered(key)
         if answer is None:
