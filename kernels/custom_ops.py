@@ -32,6 +32,7 @@ its version-counter bookkeeping.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -99,6 +100,7 @@ class CustomOp:
             _LIBRARY.define(f"{self.name}.cpp{cpp_schema(self.schema)}")
             self._cpp = cpp_op = getattr(torch.ops.te_lab, self.name).cpp
 
+            @functools.wraps(fn)
             def kernel(*args):
                 return cpp_op(*args[:-1]) if args[-1] == "cpp" else fn(*args)
 
@@ -106,7 +108,7 @@ class CustomOp:
         self.op: OpOverload = getattr(torch.ops.te_lab, self.name).default
         self._impl = fn
         self._direct_function: Optional[type] = None
-        self.__wrapped__ = fn
+        self.__wrapped__ = kernel  # what the op runs for each backend, cpp included
 
     def register_fake(self, fn: Callable) -> Callable:
         torch.library.register_fake(self.op, fn, lib=_LIBRARY)

@@ -108,7 +108,7 @@ def test_reports_say_that_the_routing_is_measured_unless_forced():
     # q and k of 60 rows each: 120 rows rotated, the class of 128
     pytest.param("rope", lambda module, x: module.rope(x[None], x[None], torch.ones(x.shape[-2], 64),
                                                                torch.zeros(x.shape[-2], 64)),
-                 "('float32', 128, 64, False)", id="rope"),
+                 "('float32', 128, 64, False, False)", id="rope"),
     pytest.param("cross_entropy",
                  lambda module, x: module.cross_entropy(x, torch.zeros(x.shape[:-1], dtype=torch.long)),
                  "('float32', 64, 64)", id="cross_entropy"),
