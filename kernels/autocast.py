@@ -94,3 +94,11 @@ def inputs_cast_by(rule: AutocastRule, device: torch.device) -> bool:
     one dtype: then the public op need not insist that they arrive in one (as ATen's ops
     do not under autocast)."""
     return rule.cast_dtype(device.type) is not None
+
+
+def cast_as_autocast_would(rule: AutocastRule, device: torch.device, *values):
+    """``values`` as autocast gives them to an op with ``rule`` on ``device`` right now: what
+    an op's ``reference`` path applies itself, so that it returns the dtype the fused op
+    would (a float32 norm's output under a bfloat16 region)."""
+    dtype = rule.cast_dtype(device.type)
+    return values if dtype is None else tuple(_cast(value, dtype, device.type) for value in values)
