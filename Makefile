@@ -73,6 +73,24 @@ fi; \
 exit "$$status"
 endef
 
+# The main pass: the tests that compare two timings (marker quiet_machine) run after the
+# parallel pass, in one process with the machine to themselves (beside another worker's
+# tests the load changes between the two measurements they compare). Each pass may
+# select nothing under PYTEST_ARGS; both selecting nothing fails as above.
+define run_main_pytest
+status=0; $(1)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=10 -m 'not quiet_machine' \
+  $(PYTEST_ARGS) || status=$$?; \
+echo "== te_lab's timing comparisons, alone on the machine"; \
+quiet=0; $(1)/bin/python -m pytest -n 0 --durations=5 -m quiet_machine $(PYTEST_ARGS) || quiet=$$?; \
+if [ "$$status" -eq 5 ] && [ "$$quiet" -eq 5 ]; then \
+  echo "make: pytest in $(1) collected no tests: PYTEST_ARGS selects none" >&2; exit 1; \
+fi; \
+if [ "$$status" -eq 5 ]; then status=0; fi; \
+if [ "$$quiet" -eq 5 ]; then quiet=0; fi; \
+if [ "$$status" -ne 0 ]; then exit "$$status"; fi; \
+exit "$$quiet"
+endef
+
 .PHONY: test lint cpu-kernels test-main test-triton32 clean-venvs bench bench-gpu bench-quick gpu-check
 
 test: test-main test-triton32
@@ -92,7 +110,7 @@ cpu-kernels: $(VENV)/$(STAMP)
 
 test-main: $(VENV)/$(STAMP) lint cpu-kernels
 	@echo "== te_lab tests in $(VENV) ($$($(VENV)/bin/python $(INSTALLED_VERSIONS)))"
-	@$(call run_pytest,$(VENV),)
+	@$(call run_main_pytest,$(VENV))
 
 .PHONY: demo lab
 

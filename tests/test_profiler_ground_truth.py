@@ -15,6 +15,10 @@ import te_lab
 from te_lab import models
 from te_lab.benchmarks import module_alone
 
+# Each test compares two timings taken one after the other, so it needs the machine to
+# itself: `make test` runs these after the parallel pass, alone (pyproject's markers).
+pytestmark = pytest.mark.quiet_machine
+
 
 @pytest.mark.slow  # a profile with steps="auto" and 30 rounds of each module alone
 @pytest.mark.xfail(strict=False, reason=(
