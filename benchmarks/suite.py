@@ -40,6 +40,7 @@ from te_lab.kernels import registered_ops
 
 from . import dispatch, end_to_end, environment, generation, per_op
 from .cases import OP_CASES, OPTIMIZER_OPS, SIZE_SYNTAX, Size
+from .hand_written import write_keeping_hand_written
 from .harness import describe_error
 from .html_report import write_html
 from .report import markdown
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     text = markdown(results)
     print(text)
     if args.markdown:
-        pathlib.Path(args.markdown).write_text(text + "\n", encoding="utf-8")
+        write_keeping_hand_written(args.markdown, text)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     if args.html:

@@ -10,6 +10,7 @@ import torch
 
 from te_lab.benchmarks import cases, end_to_end, harness, per_op, stats, suite, targets
 from te_lab.benchmarks.end_to_end import CONTENDERS as MODEL_CONTENDERS
+from te_lab.benchmarks.hand_written import MARKER
 from te_lab.benchmarks.schema import RESULTS_SCHEMA
 from te_lab.models import build_model, example_batch
 
@@ -158,6 +159,8 @@ def test_smallest_configuration_end_to_end(tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("plotly")
     paths = {kind: tmp_path / f"results.{kind}" for kind in ("json", "md", "html")}
+    hand_written = f"{MARKER}\n\n## Why the misses\n\nMeasured by hand on a quiet machine.\n"
+    paths["md"].write_text("# an older run's tables\n\n" + hand_written)
     status = suite.main(["--profile", "smoke", "--device", "cpu", "--json", str(paths["json"]),
                          "--markdown", str(paths["md"]), "--html", str(paths["html"])])
     assert status == 0
@@ -189,6 +192,7 @@ def test_smallest_configuration_end_to_end(tmp_path):
         assert te_lab_row["time_to_first_step_s"] == pytest.approx(record["fuse_s"] + te_lab_row["first_call_ms"] / 1e3)
 
     report = paths["md"].read_text()
+    assert "an older run's tables" not in report and report.endswith("\n" + hand_written)  # the hand part is kept
     for target in results["targets"]:
         assert target["target"] in report
     assert "| llama-tiny | train | torch.compile(te_lab) |" in report
