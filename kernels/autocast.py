@@ -16,7 +16,10 @@ gets a kernel at every autocast key that
    the float32 list (``aten::layer_norm`` on CUDA, on no CPU list), not at all otherwise;
 2. runs the op with autocast off, so its math is the op's own on those dtypes.
 
-Backward ops get step 2 alone: they see the dtypes their forward saw.
+Backward ops get step 2 alone: they see the dtypes their forward saw. An op's
+``reference`` path, run in Python without the custom op, goes through the same two steps
+under autocast (:func:`run_as_autocast_kernel`), so that whichever backend the dispatcher
+chooses, the op computes in and returns the same dtypes.
 
 ``torch.library.register_autocast`` (torch >= 2.5) does not fit: it casts to one dtype
 fixed at registration, whereas autocast's low-precision dtype is the region's (bfloat16
@@ -26,7 +29,7 @@ or float16), and it cannot leave inputs uncast.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -71,13 +74,22 @@ def _cast(value, dtype: torch.dtype, device_type: str):
     return value
 
 
+def run_as_autocast_kernel(rule: AutocastRule, device_type: str, function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)`` as the autocast kernel of an op with ``rule`` runs the
+    op on ``device_type``: floating inputs cast by ``rule``, then autocast off. The custom
+    ops' kernels run here, and so does an op's reference path under autocast
+    (:func:`te_lab.kernels.op_declaration.run_reference`)."""
+    dtype = rule.cast_dtype(device_type)
+    if dtype is not None:
+        args = tuple(_cast(arg, dtype, device_type) for arg in args)
+        kwargs = {name: _cast(value, dtype, device_type) for name, value in kwargs.items()}
+    with torch.autocast(device_type, enabled=False):
+        return function(*args, **kwargs)
+
+
 def _autocast_kernel(op: OpOverload, device_type: str, rule: AutocastRule):
     def kernel(*args):
-        dtype = rule.cast_dtype(device_type)
-        if dtype is not None:
-            args = tuple(_cast(arg, dtype, device_type) for arg in args)
-        with torch.autocast(device_type, enabled=False):
-            return op(*args)
+        return run_as_autocast_kernel(rule, device_type, op, *args)
 
     return kernel
 
@@ -95,10 +107,3 @@ def inputs_cast_by(rule: AutocastRule, device: torch.device) -> bool:
     do not under autocast)."""
     return rule.cast_dtype(device.type) is not None
 
-
-def cast_as_autocast_would(rule: AutocastRule, device: torch.device, *values):
-    """``values`` as autocast gives them to an op with ``rule`` on ``device`` right now: what
-    an op's ``reference`` path applies itself, so that it returns the dtype the fused op
-    would (a float32 norm's output under a bfloat16 region)."""
-    dtype = rule.cast_dtype(device.type)
-    return values if dtype is None else tuple(_cast(value, dtype, device.type) for value in values)

@@ -22,13 +22,13 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import FLOAT32, AutocastRule, cast_as_autocast_would, inputs_cast_by
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .costs.layer_norm import COSTS
 from .inductor_compiled import inductor_compiled
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import cast, compute_dtype, triton_compute_dtype
 from .registry import aten_kernel_exists, select_measured_backend
 from .triton_support import (
@@ -417,7 +417,6 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     eps = check_positive(NAME, "eps", eps)
     chosen = select_measured_backend(LAYER_NORM, x.device, backend, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "reference":
-        x, residual, weight, bias = cast_as_autocast_would(AUTOCAST, x.device, x, residual, weight, bias)
-        return layer_norm_reference(x, weight, bias, eps, residual=residual)
+        return run_reference(LAYER_NORM, layer_norm_reference, x, weight, bias, eps, residual=residual)
     y, h, _, _ = _layer_norm_op(x, residual, weight, bias, eps, chosen)
     return y if residual is None else (y, h)

@@ -12,7 +12,9 @@ An op's file writes its reference, its backends' kernels, and then the op itself
   autograd formula, as for ``torch.library.custom_op``; ``ctx.backend`` is the forward's
   backend, and ``gradients`` reaches the backward op as ``ctx.backward_op``;
 - ``autocast``: how the forward behaves under ``torch.autocast``
-  (:class:`~te_lab.kernels.autocast.AutocastRule`; the backward op never casts);
+  (:class:`~te_lab.kernels.autocast.AutocastRule`; the backward op never casts), on every
+  backend: the op's public function runs its ``reference`` path through
+  :func:`run_reference`, which casts and runs as the custom op's autocast kernel does;
 - ``cpp=True`` where ``kernels/cpp/<name>.cpp`` registers C++ kernels: the overloads
   ``te_lab::<name>.cpp`` (and ``<name>_backward.cpp`` where the backward op takes a
   ``backend``) are defined here, with the Python
@@ -37,7 +39,10 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Mapping, NamedTuple, Optional
 
-from .autocast import NO_CAST, AutocastRule, register_autocast_rule
+import torch
+from torch import Tensor
+
+from .autocast import NO_CAST, AutocastRule, register_autocast_rule, run_as_autocast_kernel
 from .custom_ops import CustomOp, define_overload
 from .registry import FusedOp, register_op
 
@@ -48,6 +53,10 @@ class DefinedOp(NamedTuple):
     fused: FusedOp
     forward: CustomOp
     backward: Optional[CustomOp]
+
+
+# Each declared op's autocast rule, by the op's name: what run_reference applies.
+_AUTOCAST_RULES: dict[str, AutocastRule] = {}
 
 
 def define_op(name: str, *, reference: Callable, forward: Callable, forward_fake: Callable,
@@ -76,6 +85,7 @@ def define_op(name: str, *, reference: Callable, forward: Callable, forward_fake
 
         forward_op.register_autograd(gradients, setup_context=setup)
     register_autocast_rule(forward_op.name, autocast)
+    _AUTOCAST_RULES[name] = autocast
     for qualified, schema in cpp_overloads.items():
         define_overload(qualified, schema)
     implementations = dict(backends)
@@ -84,3 +94,17 @@ def define_op(name: str, *, reference: Callable, forward: Callable, forward_fake
     fused = register_op(FusedOp(name=name, reference=reference, implementations=implementations, costs=costs,
                                 **registration))
     return DefinedOp(fused, forward_op, backward_op)
+
+
+def run_reference(op: FusedOp, function: Callable, x: Tensor, *args, **kwargs):
+    """``function(x, *args, **kwargs)``, ``op``'s reference math, where the dispatcher chose
+    ``reference`` for a call on ``x``'s device. Outside autocast it runs as it is; under
+    autocast as ``op``'s custom op runs there: floating inputs cast by the op's autocast
+    rule, then autocast off. So the reference path computes in and returns the dtypes the
+    fused backends do (float32 where a norm's ATen op is on autocast's float32 list, the
+    region's dtype for attention's q, k and v), and a choice between backends made by
+    measurement never changes a result's dtype."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return function(x, *args, **kwargs)
+    return run_as_autocast_kernel(_AUTOCAST_RULES[op.name], device_type, function, x, *args, **kwargs)

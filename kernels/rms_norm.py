@@ -21,13 +21,13 @@ from torch import Tensor
 
 from te_lab import device as devices
 
-from .autocast import FLOAT32, AutocastRule, cast_as_autocast_would, inputs_cast_by
+from .autocast import FLOAT32, AutocastRule, inputs_cast_by
 from .checks import check_like, check_parameter, check_positive, check_tensor
 from .costs.rms_norm import COSTS
 from .inductor_compiled import inductor_compiled
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import aten_kernel_exists, select_measured_backend
 from .triton_support import (
@@ -352,7 +352,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *,
         raise TypeError(f"{NAME}: weight_offset must be a number, got {weight_offset!r}")
     chosen = select_measured_backend(RMS_NORM, x.device, backend, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "reference":
-        x, residual, weight = cast_as_autocast_would(AUTOCAST, x.device, x, residual, weight)
-        return rms_norm_reference(x, weight, eps, residual=residual, weight_offset=weight_offset)
+        return run_reference(RMS_NORM, rms_norm_reference, x, weight, eps, residual=residual,
+                             weight_offset=weight_offset)
     y, h, _ = _rms_norm_op(x, residual, weight, eps, float(weight_offset), chosen)
     return y if residual is None else (y, h)
