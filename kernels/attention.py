@@ -48,7 +48,7 @@ from te_lab import device as devices
 from .autocast import LOWER_PRECISION, AutocastRule, inputs_cast_by
 from .checks import check_tensor
 from .costs.attention import COSTS
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, float32_matmul_allows_tf32
 from .registry import Call, aten_kernel_exists, choose
 from .triton_support import HAS_TRITON, interpreter_dtypes, tl, triton
@@ -734,7 +734,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, mask: Op
     mask = None if mask is None else mask.detach()
     chosen = choose(ATTENTION, _call(q, dropout_p, sinks, softcap, backend))[0]
     if chosen == "reference":
-        return _explicit_attention(q, k, v, causal, mask, scale, dropout_p, sinks, softcap)
+        return run_reference(ATTENTION, _explicit_attention, q, k, v, causal, mask, scale, dropout_p, sinks, softcap)
     if chosen == "native" and (dropout_p > 0 or not _cpu_flash(q.device.type)
                                or (sinks is None and not torch.is_grad_enabled())):
         # SDPA with its own autograd: its backward replays the dropout pattern it drew,

@@ -30,7 +30,7 @@ from .costs.bias_act import COSTS
 from .inductor_compiled import inductor_compiled
 from .layout import as_rows, shaped_like
 from .measured_choice import op_sample
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import cast, compute_dtype, triton_compute_dtype
 from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, reduction_programs, tl, triton
@@ -310,7 +310,7 @@ def bias_act(x: Tensor, bias: Optional[Tensor] = None, activation: str = "gelu",
     n = x.shape[-1]
     chosen = select_measured_backend(BIAS_ACT, x.device, backend, x.dtype, (x.numel() // max(n, 1), n), (activation,))
     if chosen == "reference":
-        return bias_act_reference(x, bias, activation)
+        return run_reference(BIAS_ACT, bias_act_reference, x, bias, activation)
     return _bias_act_op(x, bias, activation, chosen)
 
 

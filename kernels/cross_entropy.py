@@ -38,7 +38,7 @@ from .checks import check_choice, check_label_tensor, check_labels_in_range, che
 from .costs.cross_entropy import COSTS
 from .inductor_compiled import inductor_compiled
 from .measured_choice import op_sample, size_class
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -349,8 +349,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
     if chosen == "reference":
         if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
             check_labels_in_range(NAME, labels, vocab, ignore_index)
-        return cross_entropy_reference(logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                       reduction=reduction, z_loss=z_loss)
+        return run_reference(CROSS_ENTROPY, cross_entropy_reference, logits, labels, ignore_index=ignore_index,
+                             label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss)
     flat_labels = labels.reshape(-1).long()
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     per_token, _ = _cross_entropy_op(logits.reshape(-1, vocab), flat_labels, ignore_index,

@@ -42,7 +42,7 @@ from .cross_entropy import (
     measured_rows,
 )
 from .linear import matmul_nt, runs_on_onednn
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype
 from .registry import select_measured_backend
 from .torch_internals import backward_keeps_graph, dispatch_modes_active
@@ -347,9 +347,9 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
     if chosen == "reference":
         if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
             check_labels_in_range(NAME, labels, vocab, ignore_index)
-        return fused_linear_cross_entropy_reference(hidden, weight, labels, bias, ignore_index=ignore_index,
-                                                    label_smoothing=label_smoothing, reduction=reduction,
-                                                    z_loss=z_loss)
+        return run_reference(FUSED_LINEAR_CROSS_ENTROPY, fused_linear_cross_entropy_reference, hidden, weight,
+                             labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                             reduction=reduction, z_loss=z_loss)
     flat_hidden = hidden.reshape(-1, in_features)
     flat_labels = labels.reshape(-1).long()
     grad_enabled = torch.is_grad_enabled()

@@ -27,7 +27,7 @@ from .costs.glu import COSTS
 from .inductor_compiled import inductor_compiled
 from .layout import shaped_like
 from .measured_choice import op_sample
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import select_measured_backend
 from .triton_support import HAS_TRITON, num_warps_for, tl, triton
@@ -276,7 +276,7 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu", *,
     chosen = select_measured_backend(GLU, gate.device, backend, gate.dtype, (gate.numel() // max(gate.shape[-1], 1), n),
                                      (activation,))
     if chosen == "reference":
-        return glu_reference(gate, up, activation)
+        return run_reference(GLU, glu_reference, gate, up, activation)
     return _glu_op(gate, up, activation, chosen)
 
 

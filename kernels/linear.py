@@ -29,7 +29,7 @@ from .autocast import LIKE_LINEAR, inputs_cast_by
 from .checks import check_tensor
 from .costs.linear import COSTS
 from .layout import as_rows, shaped_like
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .registry import Call, aten_kernel_exists, choose
 
 NAME = "linear"
@@ -234,5 +234,5 @@ def linear_of_module(x: Tensor, weight: Tensor, bias: Optional[Tensor], backend:
     fit): a decode step calls several per layer, each on one row."""
     chosen = choose(LINEAR, _call(x, weight, backend))[0]
     if chosen == "reference":
-        return linear_reference(x, weight, bias)
+        return run_reference(LINEAR, linear_reference, x, weight, bias)
     return _linear_op(x, weight, bias, chosen)

@@ -54,7 +54,7 @@ from te_lab import device as devices
 from .activations import ACTIVATIONS, activate, activation_grad
 from .checks import check_choice, check_tensor
 from .costs.moe import COSTS
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, float32_matmul_allows_tf32
 from .registry import Call, choose
 from .torch_internals import capturing_scalar_outputs, check as check_size
@@ -596,9 +596,9 @@ def moe_experts(x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, do
                    activation, alpha, limit)
     chosen = choose(MOE, Call(x.device, backend, x.dtype))[0]
     if chosen == "reference":
-        return moe_experts_reference(x, weights, indices, gate_up, down, gate_up_bias, down_bias,
-                                     transposed=transposed, interleaved=interleaved, activation=activation,
-                                     alpha=alpha, limit=limit)
+        return run_reference(MOE, moe_experts_reference, x, weights, indices, gate_up, down, gate_up_bias,
+                             down_bias, transposed=transposed, interleaved=interleaved, activation=activation,
+                             alpha=alpha, limit=limit)
     out, _, _ = _moe_op(x, weights, indices, gate_up, down, gate_up_bias, down_bias, transposed,
                         interleaved, activation, float(alpha), float(limit), chosen)
     return out

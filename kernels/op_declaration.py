@@ -45,6 +45,7 @@ from torch import Tensor
 from .autocast import NO_CAST, AutocastRule, register_autocast_rule, run_as_autocast_kernel
 from .custom_ops import CustomOp, define_overload
 from .registry import FusedOp, register_op
+from .torch_internals import any_autocast_enabled
 
 
 class DefinedOp(NamedTuple):
@@ -104,7 +105,6 @@ def run_reference(op: FusedOp, function: Callable, x: Tensor, *args, **kwargs):
     fused backends do (float32 where a norm's ATen op is on autocast's float32 list, the
     region's dtype for attention's q, k and v), and a choice between backends made by
     measurement never changes a result's dtype."""
-    device_type = x.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not any_autocast_enabled() or not torch.is_autocast_enabled(x.device.type):
         return function(x, *args, **kwargs)
-    return run_as_autocast_kernel(_AUTOCAST_RULES[op.name], device_type, function, x, *args, **kwargs)
+    return run_as_autocast_kernel(_AUTOCAST_RULES[op.name], x.device.type, function, x, *args, **kwargs)

@@ -53,7 +53,7 @@ from .checks import check_choice, check_parameter, check_positive, check_tensor
 from .costs.rope import COSTS
 from .inductor_compiled import inductor_compiled
 from .measured_choice import op_sample
-from .op_declaration import define_op
+from .op_declaration import define_op, run_reference
 from .precision import compute_dtype, triton_compute_dtype
 from .registry import select_measured_backend
 from .rms_norm import rms_norm_reference
@@ -720,9 +720,9 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
     chosen = select_measured_backend(ROPE, q.device, backend, q.dtype, (rows, q.shape[-1]),
                                      (interleaved, normalized))
     if chosen == "reference":
-        return rope_reference(q, k, cos, sin, interleaved=interleaved, layout=layout,
-                                      q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-                                      norm_weight_offset=norm_weight_offset)
+        return run_reference(ROPE, rope_reference, q, k, cos, sin, interleaved=interleaved, layout=layout,
+                             q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+                             norm_weight_offset=norm_weight_offset)
     # The kernels read the tables as dense rows: broadcast (expanded) or strided tables
     # are copied once here (the C++ kernels took a float32 expanded table as is and read
     # past its memory).

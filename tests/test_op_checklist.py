@@ -114,6 +114,12 @@ def test_each_op_is_one_define_op_declaration(name):
                                                                       if op == name}) == []
 
 
+@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_YET_DECLARED)))
+def test_each_op_runs_its_reference_path_through_run_reference(name):
+    # which, under autocast, casts and runs as the op's custom op does (kernels/op_declaration.py)
+    assert "run_reference" in calls_in(REPO / "kernels" / f"{name}.py")
+
+
 def test_the_declaration_check_sees_hand_wiring(tmp_path):
     source = tmp_path / "my_op.py"
     source.write_text("@custom_op('te_lab::my_op')\ndef f(x): ...\n@f.register_fake\ndef g(x): ...\n"
