@@ -421,6 +421,14 @@ _IMPLEMENTATIONS = {"native": _Native}
 if HAS_TRITON:
     _IMPLEMENTATIONS["triton"] = _Triton
 
+# Registered by hand, not declared with define_op (kernels/op_declaration.py): a declaration
+# makes a functional op (its outputs returned, with fakes for them, an autograd formula, an
+# autocast cast, a C++ overload, the reference path run as the op runs under autocast). An
+# optimizer step has none of these: it runs under no_grad, returns nothing and updates five
+# lists of tensors in place, across param groups with hyperparameters of their own, in one
+# Triton launch per dtype. What it shares with the declared ops, a registry entry for its
+# backends and its costs, is this registration; with no te_lab custom op behind it, opcheck
+# has nothing of its own to check (the native backend calls ATen's torch._fused_adamw_).
 ADAMW = register_op(FusedOp(
     name=NAME,
     reference=adamw_reference_step,

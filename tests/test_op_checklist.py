@@ -83,9 +83,10 @@ def test_every_op_with_triton_kernels_has_gpu_compile_scenarios_some_in_ci():
         assert any(scenario.in_ci for scenario in own), f"no scenario of {name} in CI_SCENARIOS"
 
 
-# Ops still wired by hand, each with why; every other op is one define_op declaration.
-NOT_YET_DECLARED = {
-    "adamw": "an optimizer step over parameter lists that it updates in place: not a custom op with autograd",
+# Ops registered by hand, each with why; every other op is one define_op declaration.
+NOT_DECLARED = {
+    "adamw": "an optimizer step over parameter lists that it updates in place, returning nothing: no outputs, "
+             "autograd or autocast for a declaration to define (kernels/adamw.py)",
 }
 # What only define_op does for a declared op.
 WIRING_CALLS = {"register_op", "custom_op", "CustomOp", "register_fake", "register_autograd",
@@ -106,7 +107,7 @@ def calls_in(path: Path) -> list[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))]
 
 
-@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_YET_DECLARED)))
+@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_DECLARED)))
 def test_each_op_is_one_define_op_declaration(name):
     calls = calls_in(REPO / "kernels" / f"{name}.py")
     assert calls.count("define_op") == 1
@@ -114,7 +115,7 @@ def test_each_op_is_one_define_op_declaration(name):
                                                                       if op == name}) == []
 
 
-@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_YET_DECLARED)))
+@pytest.mark.parametrize("name", sorted(set(OPS) - set(NOT_DECLARED)))
 def test_each_op_runs_its_reference_path_through_run_reference(name):
     # which, under autocast, casts and runs as the op's custom op does (kernels/op_declaration.py)
     assert "run_reference" in calls_in(REPO / "kernels" / f"{name}.py")
@@ -134,7 +135,7 @@ def cpp_sources_defining_schemas() -> list[str]:
 
 
 def test_the_cpp_kernels_only_register_against_the_schemas_python_declares():
-    assert cpp_sources_defining_schemas() == sorted(set(NOT_YET_DECLARED) & {
+    assert cpp_sources_defining_schemas() == sorted(set(NOT_DECLARED) & {
         path.stem for path in (REPO / "kernels" / "cpp").glob("*.cpp")})
 
 
@@ -143,7 +144,7 @@ def declared_cpp_overloads() -> list[str]:
     packets = {name: getattr(torch.ops.te_lab, name) for name in dir(torch.ops.te_lab)}
     return [f"te_lab::{name}.{overload}" for name, packet in packets.items() if hasattr(packet, "overloads")
             for overload in packet.overloads() if overload != "default"
-            and name.removesuffix("_backward").removesuffix("_over_logits") not in NOT_YET_DECLARED]
+            and name.removesuffix("_backward").removesuffix("_over_logits") not in NOT_DECLARED]
 
 
 def test_the_cpp_library_registers_a_kernel_for_every_declared_cpp_overload():
