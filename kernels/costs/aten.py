@@ -85,9 +85,8 @@ def _copy(arguments: list) -> Optional[OpCost]:
     return OpCost(src.nbytes, dst.nbytes, 0, "src read + self written (self is not read); 0 FLOPs (data movement)")
 
 
-def attention_forward_cost(arguments: list) -> Optional[OpCost]:
-    """(q, k, v, ...) -> out like q and a log-sum-exp per query row."""
-    q, k = at(arguments, 0), at(arguments, 1)
+def attention_forward_cost(arguments: list, q: Optional[TensorSpec], k: Optional[TensorSpec]) -> Optional[OpCost]:
+    """Whatever the argument order: out like q and a log-sum-exp per query row written."""
     flops = None if q is None or k is None else attention_flops(q, k)
     if flops is None:
         return None
@@ -104,6 +103,11 @@ def attention_backward_cost(arguments: list, q: Optional[TensorSpec], k: Optiona
         return None
     return reading_inputs(arguments, q.nbytes + k.nbytes + v.nbytes, flops * 5 // 2,
                           f"inputs read + dq like q, dk like k, dv like v written; {ATTENTION_FORMULA}")
+
+
+def _aten_attention_forward(arguments: list) -> Optional[OpCost]:
+    # ATen's attention kernels take (query, key, value, ...).
+    return attention_forward_cost(arguments, at(arguments, 0), at(arguments, 1))
 
 
 def _aten_attention_backward(arguments: list) -> Optional[OpCost]:
@@ -131,6 +135,6 @@ ATEN_COSTS: dict[str, CostFunction] = {
     "aten::addmm": _matmul(1), "aten::baddbmm": _matmul(1),
     "aten::copy_": _copy,
     **{name: _reduction for name in _REDUCTION_OPS},
-    **{name: attention_forward_cost for name in _ATTENTION_KERNELS},
+    **{name: _aten_attention_forward for name in _ATTENTION_KERNELS},
     **{f"{name}_backward": _aten_attention_backward for name in _ATTENTION_KERNELS},
 }

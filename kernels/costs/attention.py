@@ -6,13 +6,17 @@ from __future__ import annotations
 from typing import Optional
 
 from .aten import attention_backward_cost, attention_forward_cost
-from .model import Arguments, OpCost, at
+from .model import Arguments, OpCost
+
+
+def forward(arguments: Arguments) -> Optional[OpCost]:
+    # -> (out like q, lse [b, h, s_q] float32/64)
+    return attention_forward_cost(arguments, arguments.q, arguments.k)
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dout, q, k, v, mask, out, lse, causal, scale, backend) -> (dq, dk, dv)
-    return attention_backward_cost(arguments, at(arguments, 1), at(arguments, 2), at(arguments, 3))
+    # -> (dq, dk, dv, dsinks)
+    return attention_backward_cost(arguments, arguments.q, arguments.k, arguments.v)
 
 
-# forward: (q, k, v, mask, causal, scale, backend) -> (out like q, lse [b, h, s_q] float32/64)
-COSTS = {"te_lab::attention": attention_forward_cost, "te_lab::attention_backward": backward}
+COSTS = {"te_lab::attention": forward, "te_lab::attention_backward": backward}

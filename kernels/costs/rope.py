@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .model import Arguments, OpCost, TensorSpec, at, reading_inputs
+from .model import Arguments, OpCost, TensorSpec, reading_inputs
 
 # Per element of q and k: x*x summed, times rstd, times the weight.
 NORM_FLOPS = 4
@@ -25,12 +25,11 @@ def _fits(q, k, cos) -> bool:
 
 
 def rotation(arguments: Arguments) -> Optional[OpCost]:
-    # (q, k, cos, sin, interleaved, layout, q_norm_weight, k_norm_weight, eps, offset, backend)
     # -> (q_out like q, k_out like k)
-    q, k, cos, q_weight = at(arguments, 0), at(arguments, 1), at(arguments, 2), at(arguments, 6)
+    q, k, cos = arguments.q, arguments.k, arguments.cos
     if not _fits(q, k, cos):
         return None
-    norm = 0 if q_weight is None else NORM_FLOPS * (q.numel + k.numel)
+    norm = 0 if arguments.q_norm_weight is None else NORM_FLOPS * (q.numel + k.numel)
     return reading_inputs(arguments, q.nbytes + k.nbytes, _rotated(q, k, cos) * 3 + norm,
                           "inputs read + outputs like q and k written; FLOPs: 3 per rotated element of q and k "
                           f"(two multiplies, one add; rotary_dim = cos.shape[-1]), with QK-norm weights {NORM_FLOPS} "
@@ -38,10 +37,9 @@ def rotation(arguments: Arguments) -> Optional[OpCost]:
 
 
 def rotation_backward(arguments: Arguments) -> Optional[OpCost]:
-    # (dq, dk, cos, sin, interleaved, layout, q, k, q_norm_weight, k_norm_weight, eps, offset, backend)
     # -> (dq, dk, and the norm weights' gradients: like the weights, or empty)
-    dq, dk, cos = at(arguments, 0), at(arguments, 1), at(arguments, 2)
-    q_weight, k_weight = at(arguments, 8), at(arguments, 9)
+    dq, dk, cos = arguments.dq, arguments.dk, arguments.cos
+    q_weight, k_weight = arguments.q_norm_weight, arguments.k_norm_weight
     if not _fits(dq, dk, cos):
         return None
     if q_weight is None or k_weight is None:
