@@ -7,7 +7,10 @@ Per token with logits x (vocabulary N), label t, smoothing e and z-loss weight z
     d loss / d x_j = exp(x_j - lse) * (1 + 2 z lse) - e / N - (1 - e) * [j == t]
 
 which is ``F.cross_entropy(logits.float(), labels, label_smoothing=e)`` per token plus
-PaLM's z-loss. Tokens whose label is ``ignore_index`` have loss and gradient 0. The
+PaLM's z-loss. With a soft-cap c (Gemma 2's ``final_logit_softcapping``) the logits are
+first squashed into (-c, c), x_j = c * tanh(l_j / c) for the given logits l, and the
+gradient is carried through it: d loss / d l_j = d loss / d x_j * (1 - (x_j / c)**2).
+Tokens whose label is ``ignore_index`` have loss and gradient 0. The
 forward pass writes that gradient (in the logits' dtype) beside the losses and keeps it
 for the backward pass, which is then a scale by the upstream gradient: the logits are
 never read again. The Triton kernel reads each row once for the online max and sum of
@@ -49,7 +52,8 @@ REDUCTIONS = ("mean", "sum", "none")
 
 # ---- argument checks, shared with fused_linear_cross_entropy ----
 
-def check_loss_options(op: str, ignore_index, label_smoothing, reduction, z_loss) -> None:
+def check_loss_options(op: str, ignore_index, label_smoothing, reduction, z_loss, softcap=None) -> float:
+    """Raises on a bad option; returns the soft-cap as the ops take it (0.0: none)."""
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
     if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool) \
@@ -58,6 +62,11 @@ def check_loss_options(op: str, ignore_index, label_smoothing, reduction, z_loss
     if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or not z_loss >= 0.0:
         raise ValueError(f"{op}: z_loss must be a number >= 0, got {z_loss!r}")
     check_choice(op, "reduction", reduction, REDUCTIONS)
+    if softcap is None:
+        return 0.0
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not 0.0 < softcap < float("inf"):
+        raise ValueError(f"{op}: softcap must be a finite number > 0 or None, got {softcap!r}")
+    return float(softcap)
 
 
 def mean_over_labelled(total: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
@@ -69,13 +78,20 @@ def mean_over_labelled(total: Tensor, labels: Tensor, ignore_index: int) -> Tens
 
 # ---- reference ----
 
+def soft_capped(logits: Tensor, softcap: Optional[float]) -> Tensor:
+    """``softcap * tanh(logits / softcap)`` (Gemma 2's final logit soft-capping); the
+    logits themselves where ``softcap`` is None or 0."""
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int = -100,
                             label_smoothing: float = 0.0, reduction: str = "mean",
-                            z_loss: float = 0.0) -> Tensor:
+                            z_loss: float = 0.0, softcap: Optional[float] = None) -> Tensor:
     """The unfused PyTorch math: F.cross_entropy on the logits in float32 (float64 stays
-    float64), plus ``z_loss * logsumexp(logits)**2`` per non-ignored token."""
+    float64), soft-capped first where ``softcap`` is given, plus
+    ``z_loss * logsumexp(logits)**2`` per non-ignored token."""
     vocab = logits.shape[-1]
-    x = logits.reshape(-1, vocab).to(compute_dtype(logits))
+    x = soft_capped(logits.reshape(-1, vocab).to(compute_dtype(logits)), softcap)
     flat_labels = labels.reshape(-1).long()
     per_token = F.cross_entropy(x, flat_labels, ignore_index=ignore_index,
                                 label_smoothing=label_smoothing, reduction="none")
@@ -92,8 +108,11 @@ def cross_entropy_reference(logits: Tensor, labels: Tensor, *, ignore_index: int
 # ---- inductor: the formula, compiled ----
 
 def _forward_math(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float,
-                  z_loss: float, compute_grad: bool):
+                  z_loss: float, softcap: float, compute_grad: bool):
     x = logits.to(compute_dtype(logits))
+    if softcap:
+        capped = torch.tanh(x / softcap)
+        x = capped * softcap
     vocab = x.shape[-1]
     labelled = labels != ignore_index
     target = torch.where(labelled, labels, 0)
@@ -110,6 +129,8 @@ def _forward_math(logits: Tensor, labels: Tensor, ignore_index: int, label_smoot
     # Inductor bakes a symbolic float given to torch.where in as its first call's value.
     grad = (torch.exp(x - lse) * (1 + 2 * z_loss * lse) - label_smoothing / vocab
             - (1 - label_smoothing) * (classes == target[:, None]).to(x.dtype))
+    if softcap:
+        grad = grad * (1 - capped * capped)
     return loss, torch.where(labelled[:, None], grad, 0.0).to(logits.dtype)
 
 
@@ -117,12 +138,12 @@ class _Inductor:
     _compiled = staticmethod(inductor_compiled(_forward_math))
 
     @staticmethod
-    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, softcap, compute_grad, logits_are_scratch):
         # The gradient is always a new tensor: writing it over scratch logits would take a
         # second compiled graph per dtype, for one chunk-sized buffer that is small beside
         # the chunk's matmuls. Contiguous rows keep strided inputs from compiling another graph.
         return _Inductor._compiled(logits.contiguous(), labels, ignore_index, label_smoothing,
-                                   z_loss, compute_grad)
+                                   z_loss, softcap, compute_grad)
 
 
 # ---- triton: one program per row ----
@@ -135,9 +156,19 @@ _MAX_BLOCK = 4096
 if HAS_TRITON:
 
     @triton.jit
+    def _soft_capped(x, softcap, SOFTCAP: tl.constexpr):
+        """(softcap * tanh(x / softcap), 1 - tanh^2, its derivative) with SOFTCAP, else (x, 1);
+        tanh as 2 sigmoid(2z) - 1 (Triton 3.2 has none)."""
+        if SOFTCAP:
+            t = 2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0
+            return t * softcap, 1.0 - t * t
+        else:
+            return x, 1.0
+
+    @triton.jit
     def _cross_entropy_forward_kernel(X, LABELS, LOSS, GRAD, x_stride, grad_stride, n_cols, ignore_index,
-                                      label_smoothing, z_loss, HAS_GRAD: tl.constexpr, ACC: tl.constexpr,
-                                      BLOCK: tl.constexpr):
+                                      label_smoothing, z_loss, softcap, HAS_GRAD: tl.constexpr,
+                                      SOFTCAP: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * x_stride
         grad_row = GRAD + row * grad_stride
@@ -156,13 +187,14 @@ if HAS_TRITON:
         row_sum = tl.zeros((), ACC)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
-            x = tl.load(x_row + start + cols, mask=mask, other=float("-inf")).to(ACC)
+            x, _ = _soft_capped(tl.load(x_row + start + cols, mask=mask, other=0.0).to(ACC), softcap, SOFTCAP)
+            x = tl.where(mask, x, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
             sum_exp = sum_exp * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             row_sum += tl.sum(tl.where(mask, x, 0.0), axis=0)
             row_max = new_max
         lse = row_max + tl.log(sum_exp)
-        x_label = tl.load(x_row + label).to(ACC)
+        x_label, _ = _soft_capped(tl.load(x_row + label).to(ACC), softcap, SOFTCAP)
         loss = ((1.0 - label_smoothing) * (lse - x_label) + label_smoothing * (lse - row_sum / n_cols)
                 + z_loss * lse * lse)
         tl.store(LOSS + row, loss)
@@ -173,15 +205,15 @@ if HAS_TRITON:
             for start in range(0, n_cols, BLOCK):
                 offsets = start + cols
                 mask = offsets < n_cols
-                x = tl.load(x_row + offsets, mask=mask, other=0.0).to(ACC)
+                x, slope = _soft_capped(tl.load(x_row + offsets, mask=mask, other=0.0).to(ACC), softcap, SOFTCAP)
                 grad = tl.exp(x - lse) * prob_scale - uniform
-                grad = tl.where(offsets == label, grad - (1.0 - label_smoothing), grad)
+                grad = tl.where(offsets == label, grad - (1.0 - label_smoothing), grad) * slope
                 tl.store(grad_row + offsets, grad.to(GRAD.dtype.element_ty), mask=mask)
 
 
 class _Triton:
     @staticmethod
-    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, softcap, compute_grad, logits_are_scratch):
         rows, vocab = logits.shape
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
@@ -196,8 +228,8 @@ class _Triton:
         with devices.device_guard(logits.device):
             _cross_entropy_forward_kernel[(rows,)](
                 logits, labels, loss, logits if grad is None else grad, logits.stride(0),
-                0 if grad is None else grad.stride(0), vocab, ignore_index, label_smoothing, z_loss,
-                HAS_GRAD=compute_grad, ACC=triton_compute_dtype(logits), BLOCK=block,
+                0 if grad is None else grad.stride(0), vocab, ignore_index, label_smoothing, z_loss, softcap,
+                HAS_GRAD=compute_grad, SOFTCAP=softcap != 0.0, ACC=triton_compute_dtype(logits), BLOCK=block,
                 num_warps=num_warps_for(block))
         return loss, grad
 
@@ -209,18 +241,18 @@ class _Cpp:
     gradient in place (te_lab::cross_entropy's own calls go to its C++ overload)."""
 
     @staticmethod
-    def forward(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch):
+    def forward(logits, labels, ignore_index, label_smoothing, z_loss, softcap, compute_grad, logits_are_scratch):
         if compute_grad and logits_are_scratch and logits.is_contiguous():
             loss = torch.ops.te_lab.cross_entropy_over_logits.cpp(logits, labels, ignore_index, label_smoothing,
-                                                                   z_loss)
+                                                                   z_loss, softcap)
             return loss, logits
         loss, grad = torch.ops.te_lab.cross_entropy.cpp(logits, labels, ignore_index, label_smoothing, z_loss,
-                                                        compute_grad)
+                                                        softcap, compute_grad)
         return loss, (grad if compute_grad else None)
 
 
 # The per-backend row kernels: ``forward(logits [rows, vocab], labels int64 [rows],
-# ignore_index, label_smoothing, z_loss, compute_grad, logits_are_scratch)`` returns the
+# ignore_index, label_smoothing, z_loss, softcap (0.0: none), compute_grad, logits_are_scratch)`` returns the
 # per-row losses (float32, float64 for float64 logits) and, when ``compute_grad``, the
 # per-row loss gradient in the logits' dtype. ``logits_are_scratch`` tells a backend that
 # the caller no longer needs the logits, so the gradient may be written over them.
@@ -258,16 +290,16 @@ _EMPTY = (0,)
 
 
 def _forward(logits: Tensor, labels: Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
-             compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
-    """Per-token losses of logits [tokens, vocab] and, when ``compute_grad``, their gradient
-    (an empty tensor otherwise)."""
+             softcap: float, compute_grad: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """Per-token losses of logits [tokens, vocab] (soft-capped first where ``softcap`` is
+    not 0) and, when ``compute_grad``, their gradient (an empty tensor otherwise)."""
     check_labels_in_range(NAME, labels, logits.shape[-1], ignore_index)
-    loss, grad = IMPLEMENTATIONS[backend].forward(logits, labels, ignore_index, label_smoothing, z_loss,
+    loss, grad = IMPLEMENTATIONS[backend].forward(logits, labels, ignore_index, label_smoothing, z_loss, softcap,
                                                   compute_grad, False)
     return loss, (logits.new_empty(_EMPTY) if grad is None else grad)
 
 
-def _forward_fake(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, backend):
+def _forward_fake(logits, labels, ignore_index, label_smoothing, z_loss, softcap, compute_grad, backend):
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(_EMPTY)
     return logits.new_empty(logits.shape[0], dtype=compute_dtype(logits)), grad
 
@@ -292,9 +324,9 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, dloss, _dgrad):
     if dloss is None:
-        return (None,) * 7
+        return (None,) * 8
     (grad,) = ctx.saved_tensors
-    return ctx.backward_op(grad, dloss), None, None, None, None, None, None
+    return (ctx.backward_op(grad, dloss),) + (None,) * 7
 
 
 CROSS_ENTROPY, _cross_entropy_op, _ = define_op(
@@ -312,7 +344,7 @@ CROSS_ENTROPY, _cross_entropy_op, _ = define_op(
         "cross_entropy_backward.cpp": "(Tensor grad_logits, Tensor dloss) -> Tensor",
         "cross_entropy_backward.cpp_in_place": "(Tensor(a!) grad_logits, Tensor dloss) -> Tensor(a!)",
         "cross_entropy_over_logits.cpp": "(Tensor(a!) logits, Tensor labels, int ignore_index, float label_smoothing,"
-                                         " float z_loss) -> Tensor"},
+                                         " float z_loss, float softcap) -> Tensor"},
     cpu_preference="cpp", cpu_measured=("cpp", "inductor", "reference"), cpu_samples=_cpu_samples, costs=COSTS)
 
 
@@ -327,19 +359,21 @@ def reduce_loss(per_token: Tensor, labels: Tensor, ignore_index: int, reduction:
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  reduction: str = "mean", z_loss: float = 0.0, backend: Optional[str] = None) -> Tensor:
+                  reduction: str = "mean", z_loss: float = 0.0, softcap: Optional[float] = None,
+                  backend: Optional[str] = None) -> Tensor:
     """Fused softmax cross-entropy of ``logits`` [..., vocab] against integer ``labels`` [...].
 
     Same result as ``F.cross_entropy(logits.float(), labels, ignore_index=...,
     label_smoothing=..., reduction=...)`` with the vocabulary as the last dimension,
     plus ``z_loss * logsumexp(logits)**2`` per non-ignored token, reduced the same way.
-    The loss is float32 (float64 for float64 logits); ``reduction="none"`` returns one
-    loss per label (0 where ignored). ``backend`` forces ``"triton"``, ``"cpp"``, ``"inductor"`` or
-    ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    ``softcap`` (a number > 0) soft-caps the logits first, ``softcap * tanh(logits / softcap)``
+    (Gemma 2's ``final_logit_softcapping``). The loss is float32 (float64 for float64 logits);
+    ``reduction="none"`` returns one loss per label (0 where ignored). ``backend`` forces
+    ``"triton"``, ``"cpp"``, ``"inductor"`` or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "logits", logits)
     check_label_tensor(NAME, labels, logits.shape[:-1], logits, "logits")
-    check_loss_options(NAME, ignore_index, label_smoothing, reduction, z_loss)
+    cap = check_loss_options(NAME, ignore_index, label_smoothing, reduction, z_loss, softcap)
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(f"{NAME}: logits has shape {tuple(logits.shape)}; expected a vocabulary of at least 1")
@@ -350,9 +384,9 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
         if not torch.compiler.is_compiling():  # the check reads a device value: a graph break
             check_labels_in_range(NAME, labels, vocab, ignore_index)
         return run_reference(CROSS_ENTROPY, cross_entropy_reference, logits, labels, ignore_index=ignore_index,
-                             label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss)
+                             label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss, softcap=softcap)
     flat_labels = labels.reshape(-1).long()
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     per_token, _ = _cross_entropy_op(logits.reshape(-1, vocab), flat_labels, ignore_index,
-                                     float(label_smoothing), float(z_loss), compute_grad, chosen)
+                                     float(label_smoothing), float(z_loss), cap, compute_grad, chosen)
     return reduce_loss(per_token, labels, ignore_index, reduction)

@@ -1,11 +1,13 @@
 """The LM head and its cross-entropy loss, without the [tokens, vocab] logits in memory.
 
     logits = hidden @ weight.T (+ bias)
+    logits = softcap * tanh(logits / softcap)       (only with a soft-cap: Gemma 2)
     loss   = cross_entropy(logits, labels)          (see te_lab.kernels.cross_entropy)
 
 Tokens are processed in chunks of ``chunk_size``. For each chunk the forward pass runs
 the head's matmul on the vendor BLAS, the cross-entropy row kernel of the chosen backend
-(which returns the per-token loss gradient d loss / d logits along with the loss), and
+(which soft-caps the logits where asked and returns the per-token loss gradient
+d loss / d logits, through the cap, along with the loss), and
 then the three gradient products while the chunk's logits are at hand:
 
     grad_hidden[chunk] = dlogits @ weight
@@ -61,10 +63,12 @@ CHUNK_LOGITS_BYTES = 32 * 2**20
 def fused_linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tensor,
                                          bias: Optional[Tensor] = None, *, ignore_index: int = -100,
                                          label_smoothing: float = 0.0, reduction: str = "mean",
-                                         z_loss: float = 0.0) -> Tensor:
-    """The unfused PyTorch math: ``F.linear`` then the cross-entropy reference."""
+                                         z_loss: float = 0.0, softcap: Optional[float] = None) -> Tensor:
+    """The unfused PyTorch math: ``F.linear`` then the cross-entropy reference (which
+    soft-caps the logits first where ``softcap`` is given)."""
     return cross_entropy_reference(F.linear(hidden, weight, bias), labels, ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss)
+                                   label_smoothing=label_smoothing, reduction=reduction, z_loss=z_loss,
+                                   softcap=softcap)
 
 
 def default_chunk_size(tokens: int, vocab: int, element_size: int) -> int:
@@ -75,8 +79,8 @@ def default_chunk_size(tokens: int, vocab: int, element_size: int) -> int:
 
 
 def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                                ignore_index: int, label_smoothing: float, z_loss: float, chunk_size: int,
-                                token_weights: Optional[Tensor], need_hidden: bool, need_weight: bool,
+                                ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+                                chunk_size: int, token_weights: Optional[Tensor], need_hidden: bool, need_weight: bool,
                                 need_bias: bool, backend: str):
     """Per-token losses and the gradients of ``sum(token_weights * losses)`` (all weights 1
     when None) that are needed, chunk by chunk; None where not needed. The weight and bias
@@ -108,7 +112,7 @@ def _chunked_loss_and_gradients(hidden: Tensor, weight: Tensor, bias: Optional[T
         chunk = hidden[start:stop]
         logits = product(chunk, weight, bias)
         losses[start:stop], dlogits = chunk_cross_entropy.forward(
-            logits, labels[start:stop], ignore_index, label_smoothing, z_loss, compute_grad, True)
+            logits, labels[start:stop], ignore_index, label_smoothing, z_loss, softcap, compute_grad, True)
         del logits  # freed before the products allocate theirs (unless dlogits was written over it)
         if not compute_grad:
             continue
@@ -151,7 +155,7 @@ def _cpu_samples(dtype: torch.dtype, rows: int, vocab: int, *, training: bool = 
     def sample(backend):
         def run():
             logits.copy_(filled)
-            CHUNK_IMPLEMENTATIONS[backend].forward(logits, labels, -100, 0.0, 0.0, training, True)
+            CHUNK_IMPLEMENTATIONS[backend].forward(logits, labels, -100, 0.0, 0.0, 0.0, training, True)
         return run
 
     return {name: sample(name) for name in FUSED_LINEAR_CROSS_ENTROPY.cpu_measured}
@@ -167,8 +171,9 @@ def _or_empty(tensor: Optional[Tensor], like: Tensor) -> Tensor:
 
 
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
-             label_smoothing: float, z_loss: float, summed: bool, chunk_size: int, need_hidden: bool,
-             need_weight: bool, need_bias: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             label_smoothing: float, z_loss: float, softcap: float, summed: bool, chunk_size: int,
+             need_hidden: bool, need_weight: bool, need_bias: bool,
+             backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The summed loss (``summed``) or the per-token losses of hidden [tokens, in] and labels
     [tokens], with the needed gradients of the summed loss (empty tensors otherwise). The
     weight and bias gradients stay in the compute precision until the backward pass has
@@ -176,14 +181,14 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
     check_labels_in_range(NAME, labels, weight.shape[0], ignore_index)
     # Per-token losses get their gradients in the backward pass (see the module doc).
     losses, grad_hidden, grad_weight, grad_bias = _chunked_loss_and_gradients(
-        hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, chunk_size, None,
+        hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, None,
         summed and need_hidden, summed and need_weight, summed and need_bias, backend)
     return ((losses.sum() if summed else losses), _or_empty(grad_hidden, hidden),
             _or_empty(grad_weight, weight), _or_empty(grad_bias, weight))
 
 
-def _forward_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summed, chunk_size,
-                  need_hidden, need_weight, need_bias, backend):
+def _forward_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, summed,
+                  chunk_size, need_hidden, need_weight, need_bias, backend):
     loss = hidden.new_empty(() if summed else (hidden.shape[0],), dtype=compute_dtype(hidden))
     return (loss,
             hidden.new_empty(hidden.shape) if summed and need_hidden else hidden.new_empty(_EMPTY),
@@ -194,8 +199,9 @@ def _forward_fake(hidden, weight, bias, labels, ignore_index, label_smoothing, z
 def _backward(
         dloss: Tensor, grad_hidden: Optional[Tensor], grad_weight: Optional[Tensor], grad_bias: Optional[Tensor],
         hidden: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor], labels: Optional[Tensor],
-        ignore_index: int, label_smoothing: float, z_loss: float, chunk_size: int, need_hidden: bool,
-        need_weight: bool, need_bias: bool, dtype: torch.dtype, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+        ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, chunk_size: int,
+        need_hidden: bool, need_weight: bool, need_bias: bool, dtype: torch.dtype,
+        backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """A summed loss (``dloss`` 0-d) scales the gradients stored by the forward pass; per-token
     losses (``dloss`` [tokens]) run the chunks again with ``dloss`` weighting each token.
     ``dtype`` is the inputs' (hidden, weight and bias share it), which the gradients take."""
@@ -205,13 +211,13 @@ def _backward(
                      else torch.mul(stored, dloss, out=stored.new_empty(stored.shape, dtype=dtype))
                      for stored in (grad_hidden, grad_weight, grad_bias))
     _, *gradients = _chunked_loss_and_gradients(
-        hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, chunk_size, dloss,
+        hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dloss,
         need_hidden, need_weight, need_bias, backend)
     return tuple(dloss.new_empty(_EMPTY) if grad is None else grad.to(dtype) for grad in gradients)
 
 
 def _backward_fake(dloss, grad_hidden, grad_weight, grad_bias, hidden, weight, bias, labels, ignore_index,
-                   label_smoothing, z_loss, chunk_size, need_hidden, need_weight, need_bias, dtype, backend):
+                   label_smoothing, z_loss, softcap, chunk_size, need_hidden, need_weight, need_bias, dtype, backend):
     if dloss.dim() == 0:
         shapes_of = (grad_hidden, grad_weight, grad_bias)
     else:
@@ -251,7 +257,7 @@ def _scales_in_place(stored: tuple, dtype: torch.dtype) -> bool:
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, summed, chunk_size,
+    (hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, summed, chunk_size,
      need_hidden, need_weight, need_bias, backend) = inputs
     _, grad_hidden, grad_weight, grad_bias = output
     ctx.summed = summed
@@ -260,24 +266,24 @@ def _setup_context(ctx, inputs, output):
                               grad_bias if need_bias else None)
     else:
         ctx.save_for_backward(hidden, weight, bias, labels)
-    ctx.options = (ignore_index, label_smoothing, z_loss, chunk_size, need_hidden, need_weight, need_bias,
+    ctx.options = (ignore_index, label_smoothing, z_loss, softcap, chunk_size, need_hidden, need_weight, need_bias,
                    hidden.dtype, backend)
     ctx.set_materialize_grads(False)
 
 
 def _gradients(ctx, dloss, _dgrad_hidden, _dgrad_weight, _dgrad_bias):
-    need_hidden, need_weight, need_bias = ctx.options[4:7]
+    need_hidden, need_weight, need_bias = ctx.options[5:8]
     if dloss is None or not (need_hidden or need_weight or need_bias):
-        return (None,) * 13
+        return (None,) * 14
     stored = ctx.saved_tensors if ctx.summed else (None,) * 3
     inputs = (None,) * 4 if ctx.summed else ctx.saved_tensors
-    if ctx.summed and _scales_in_place(stored, ctx.options[7]):
+    if ctx.summed and _scales_in_place(stored, ctx.options[8]):
         _scale_stored_gradients_op(dloss, *stored)
         grad_hidden, grad_weight, grad_bias = stored
     else:
         grad_hidden, grad_weight, grad_bias = ctx.backward_op(dloss, *stored, *inputs, *ctx.options)
     return ((grad_hidden if need_hidden else None), (grad_weight if need_weight else None),
-            (grad_bias if need_bias else None)) + (None,) * 10
+            (grad_bias if need_bias else None)) + (None,) * 11
 
 
 FUSED_LINEAR_CROSS_ENTROPY, _fused_linear_cross_entropy_op, _ = define_op(
@@ -301,14 +307,16 @@ register_autocast_rule("fused_linear_cross_entropy_scale_")
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                                ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-                               z_loss: float = 0.0, chunk_size: Optional[int] = None,
-                               backend: Optional[str] = None) -> Tensor:
+                               z_loss: float = 0.0, softcap: Optional[float] = None,
+                               chunk_size: Optional[int] = None, backend: Optional[str] = None) -> Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against ``labels``, computed in
     chunks of ``chunk_size`` tokens so the [tokens, vocab] logits never exist in full.
 
     ``hidden`` [..., in_features], ``weight`` [vocab, in_features] and ``bias`` [vocab]
     share a dtype; ``labels`` [...] are integers. Options and result are those of
-    :func:`te_lab.kernels.cross_entropy.cross_entropy`. ``chunk_size`` defaults to the
+    :func:`te_lab.kernels.cross_entropy.cross_entropy` (``softcap``: the logits become
+    ``softcap * tanh(logits / softcap)`` before the loss, Gemma 2's final logit
+    soft-capping, forward and backward inside the chunks). ``chunk_size`` defaults to the
     largest power of two whose logits fit in ``CHUNK_LOGITS_BYTES``. ``backend`` forces
     ``"triton"``, ``"cpp"``, ``"inductor"`` or ``"reference"``.
     """
@@ -336,7 +344,7 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{NAME}: {name} is on {tensor.device}; expected {hidden.device} like hidden")
     check_label_tensor(NAME, labels, hidden.shape[:-1], hidden, "hidden")
-    check_loss_options(NAME, ignore_index, label_smoothing, reduction, z_loss)
+    cap = check_loss_options(NAME, ignore_index, label_smoothing, reduction, z_loss, softcap)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size < 1):
         raise ValueError(f"{NAME}: chunk_size must be a positive int or None, got {chunk_size!r}")
@@ -349,13 +357,13 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
             check_labels_in_range(NAME, labels, vocab, ignore_index)
         return run_reference(FUSED_LINEAR_CROSS_ENTROPY, fused_linear_cross_entropy_reference, hidden, weight,
                              labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                             reduction=reduction, z_loss=z_loss)
+                             reduction=reduction, z_loss=z_loss, softcap=softcap)
     flat_hidden = hidden.reshape(-1, in_features)
     flat_labels = labels.reshape(-1).long()
     grad_enabled = torch.is_grad_enabled()
     summed = reduction != "none"
     loss, _, _, _ = _fused_linear_cross_entropy_op(
-        flat_hidden, weight, bias, flat_labels, ignore_index, float(label_smoothing), float(z_loss), summed, chunk,
+        flat_hidden, weight, bias, flat_labels, ignore_index, float(label_smoothing), float(z_loss), cap, summed, chunk,
         grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad, chosen)
     if reduction == "none":

@@ -13,6 +13,7 @@ from te_lab.kernels.cross_entropy import (
     cross_entropy,
     cross_entropy_reference,
 )
+from te_lab.kernels.precision import error_budget
 
 BACKENDS = backend_params(CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS
@@ -141,6 +142,37 @@ def test_gradcheck_float64(backend, reduction):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_soft_capped_logits_at_checkpoint_magnitudes_match_the_float64_truth(backend, dtype):
+    """Gemma 2's final logit soft-capping (cap 30) on logits of a few hundred with outlier
+    columns of 2e3, far into tanh's flat tails: loss and gradient as close to the float64
+    truth as the budget allows against the reference's own rounding in ``dtype``."""
+    logits, labels = _inputs((3, 5), 1000, torch.float32, scale=100.0)
+    logits[..., :3] *= 20.0
+    logits = logits.to(dtype)
+    options = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
+    truth, truth_grad = _run(cross_entropy_reference, logits.double(), labels, **options)
+    ref_loss, ref_grad = _run(cross_entropy_reference, logits, labels, **options)
+    loss, grad = _run(cross_entropy, logits, labels, backend=backend, **options)
+    for got, unfused, want in ((loss, ref_loss, truth), (grad, ref_grad, truth_grad)):
+        budget = error_budget((unfused.double() - want).abs().max().item(), want.abs().max().item(), dtype)
+        assert (got.double() - want).abs().max().item() <= budget
+    # The cap matters: without it the loss is another number.
+    assert (cross_entropy_reference(logits, labels, label_smoothing=0.1, z_loss=1e-4) - truth).abs() > 1.0
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_gradcheck_float64_soft_capped(backend):
+    logits, labels = _inputs((4,), 9, torch.float64, scale=20.0)
+    x = leaf(logits)
+
+    def fn(x):
+        return cross_entropy(x, labels, label_smoothing=0.1, softcap=5.0, reduction="none", backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph(backend):
     logits, labels = _inputs((2, 4), 96, torch.float32)
     x = leaf(logits)
@@ -170,12 +202,13 @@ def test_profiler_sees_the_fused_op_and_its_backward_once_each(backend):
 
 
 @pytest.mark.skipif("cpp" not in fused_backends(CROSS_ENTROPY), reason="te_lab's C++ kernels are not built here")
+@pytest.mark.parametrize("softcap", [0.0, 3.0], ids=["plain", "soft-capped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpp_chunk_kernel_writes_the_gradient_over_scratch_logits(dtype):
+def test_cpp_chunk_kernel_writes_the_gradient_over_scratch_logits(dtype, softcap):
     """fused_linear_cross_entropy's chunks: the gradient takes the logits' memory, with the
     numbers a separate gradient gets."""
     logits, labels = _inputs((7,), 1031, dtype)
-    options = (-100, 0.1, 1e-3, True)
+    options = (-100, 0.1, 1e-3, softcap, True)
     loss, grad = IMPLEMENTATIONS["cpp"].forward(logits, labels.long(), *options, False)
     scratch = logits.clone()
     scratch_loss, scratch_grad = IMPLEMENTATIONS["cpp"].forward(scratch, labels.long(), *options, True)
@@ -183,7 +216,7 @@ def test_cpp_chunk_kernel_writes_the_gradient_over_scratch_logits(dtype):
     assert torch.equal(scratch_loss, loss) and torch.equal(scratch_grad, grad)
     x = leaf(logits)
     [ref_grad] = torch.autograd.grad(cross_entropy_reference(x, labels, label_smoothing=0.1, z_loss=1e-3,
-                                                             reduction="sum"), [x])
+                                                             softcap=softcap or None, reduction="sum"), [x])
     assert_close(grad, ref_grad, dtype)
 
 
@@ -209,7 +242,7 @@ def test_cpp_backward_scales_in_place_only_where_the_graph_is_not_kept():
     x = leaf(logits)
     weights = torch.linspace(0.5, 2, 6)
     [want] = torch.autograd.grad((cross_entropy_reference(x, labels, reduction="none") * weights).sum(), [x])
-    per_token, hidden = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)
+    per_token, hidden = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, 0.0, True)
     assert hidden.numel() == 0
     loss = (per_token * weights).sum()
     with _OpsCalled() as kept:
@@ -225,7 +258,7 @@ def test_cpp_backward_scales_in_place_only_where_the_graph_is_not_kept():
     assert "te_lab.cross_entropy_backward.cpp" not in released
     # a call that records no graph returns the gradient, as the CPU kernel does
     with torch.no_grad():
-        _, grad = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, True)
+        _, grad = torch.ops.te_lab.cross_entropy.cpp(x, labels.long(), -100, 0.0, 0.0, 0.0, True)
     [unweighted] = torch.autograd.grad(cross_entropy_reference(x, labels, reduction="sum"), [x])
     torch.testing.assert_close(grad, unweighted)
 
@@ -256,6 +289,8 @@ def test_out_of_range_label_names_the_value_and_range(backend, bad_label):
          ["cross_entropy", "label_smoothing", "1.5", "[0, 1]"]),
         (torch.ones(2, 8), torch.ones(2, dtype=torch.int64), dict(z_loss=-1.0), ValueError,
          ["cross_entropy", "z_loss", "-1.0"]),
+        (torch.ones(2, 8), torch.ones(2, dtype=torch.int64), dict(softcap=0.0), ValueError,
+         ["cross_entropy", "softcap", "0.0", "> 0"]),
         (torch.ones(2, 8), torch.ones(2, dtype=torch.int64), dict(ignore_index=1.0), TypeError,
          ["cross_entropy", "ignore_index", "1.0"]),
         (torch.ones(2, 0), torch.ones(2, dtype=torch.int64), {}, ValueError, ["cross_entropy", "logits", "(2, 0)"]),

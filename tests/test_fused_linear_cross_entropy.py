@@ -3,6 +3,7 @@ reference, and the structure that makes it worth having: no [tokens, vocab] tens
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import (
     DEVICE,
@@ -23,6 +24,7 @@ from te_lab.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
+from te_lab.kernels.precision import error_budget
 
 BACKENDS = backend_params(FUSED_LINEAR_CROSS_ENTROPY)
 ALL_BACKENDS = [pytest.param("reference", id="reference")] + BACKENDS
@@ -201,6 +203,48 @@ def test_gradcheck_float64(backend, reduction):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_soft_capped_head_at_checkpoint_magnitudes_matches_the_float64_truth(backend, dtype, reduction):
+    """Gemma 2's head: hidden states of a real checkpoint's final norm (an outlier channel
+    of 1e3) and logits in the hundreds, capped at 30. The loss and every gradient are as
+    close to the float64 truth as the budget allows against the unfused path's own error."""
+    hidden, weight, bias, labels = _inputs((3, 5), 64, 1000, torch.float32, True)
+    hidden = hidden * 20.0
+    hidden[..., :2] *= 50.0
+    hidden, weight, bias = (t.to(dtype) for t in (hidden, weight, bias))
+    options = dict(softcap=30.0, label_smoothing=0.1, reduction=reduction)
+    truth, truth_grads = _run(fused_linear_cross_entropy_reference, hidden.double(), weight.double(), bias.double(),
+                              labels, **options)
+    unfused, unfused_grads = _run(fused_linear_cross_entropy_reference, hidden, weight, bias, labels, **options)
+    fused, fused_grads = _run(fused_linear_cross_entropy, hidden, weight, bias, labels, chunk_size=CHUNK,
+                              backend=backend, **options)
+    for name, got, eager, want in zip(("loss", "hidden", "weight", "bias"), (fused, *fused_grads),
+                                      (unfused, *unfused_grads), (truth, *truth_grads)):
+        budget = error_budget((eager.double() - want).abs().max().item(), want.abs().max().item(), dtype)
+        error = (got.double() - want).abs().max().item()
+        assert error <= budget, f"{name}: {error:.3g} from the float64 truth, budget {budget:.3g}"
+    # Logits in the hundreds, where the cap changes the loss by far more than rounding.
+    assert F.linear(hidden.double(), weight.double(), bias.double()).abs().max() > 100
+    uncapped = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), labels, bias.double(),
+                                                    label_smoothing=0.1, reduction=reduction)
+    assert (truth - uncapped).abs().max() > 1
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradcheck_float64_soft_capped(backend, reduction):
+    hidden, weight, bias, labels = _inputs((6,), 4, 7, torch.float64, True)
+    inputs = tuple(leaf(t * 4) for t in (hidden, weight, bias))
+
+    def fn(hidden, weight, bias):
+        return fused_linear_cross_entropy(hidden, weight, labels, bias, softcap=2.0, reduction=reduction,
+                                          chunk_size=2, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # stored gradients; chunks rerun in backward
 def test_torch_compile_fullgraph(backend, reduction):
     hidden, weight, bias, labels = _inputs((2, 5), 16, 96, torch.float32, True)
@@ -275,6 +319,7 @@ H, W, Y = torch.ones(3, 8), torch.ones(5, 8), torch.zeros(3, dtype=torch.int64)
         ((H, W, Y), dict(reduction="avg"), ValueError, ["fused_linear_cross_entropy", "reduction", "'avg'"]),
         ((H, W, Y), dict(chunk_size=0), ValueError, ["fused_linear_cross_entropy", "chunk_size", "0"]),
         ((H, W, Y), dict(label_smoothing=-0.1), ValueError, ["fused_linear_cross_entropy", "label_smoothing"]),
+        ((H, W, Y), dict(softcap=-30.0), ValueError, ["fused_linear_cross_entropy", "softcap", "-30.0"]),
     ],
 )
 def test_bad_input_names_the_argument(args, kwargs, error, words):

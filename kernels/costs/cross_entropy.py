@@ -6,6 +6,10 @@ from typing import Optional
 
 from .model import Arguments, OpCost, reading_inputs
 
+# A soft-cap (a scalar argument) adds about 5 FLOPs per logit (divide, tanh, scale; the
+# gradient's 1 - t^2 factor), but a recorded call carries no scalar values to tell.
+SOFTCAP_NOTE = "; a soft-cap's ~5 more per logit (tanh and its derivative) not counted: calls record no scalars"
+
 
 def forward(arguments: Arguments) -> Optional[OpCost]:
     # -> (losses [tokens] float32/64, grad like logits or empty)
@@ -15,7 +19,7 @@ def forward(arguments: Arguments) -> Optional[OpCost]:
     return reading_inputs(arguments, logits.rows * logits.stats_itemsize + logits.nbytes, logits.numel * 8,
                           "inputs read + per-token losses (float32, float64 for float64) and the gradient like "
                           "logits (assumed computed: the training case) written; FLOPs: 8 per logit (online max, "
-                          "subtract, exp, sum; then subtract, exp, scale, subtract for the gradient)")
+                          "subtract, exp, sum; then subtract, exp, scale, subtract for the gradient)" + SOFTCAP_NOTE)
 
 
 def backward(arguments: Arguments) -> Optional[OpCost]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .cross_entropy import SOFTCAP_NOTE
 from .model import GEMM_FORMULA, Arguments, OpCost, TensorSpec, gemm_flops, nbytes, reading_inputs
 
 
@@ -17,7 +18,8 @@ def _head_and_loss_flops(hidden: TensorSpec, weight: TensorSpec) -> int:
     return 3 * gemm_flops(tokens, vocab, in_features) + 8 * tokens * vocab
 
 
-_FORMULA = f"FLOPs: three products (logits, grad_hidden, grad_weight), {GEMM_FORMULA}, + 8 per logit (cross-entropy)"
+_FORMULA = (f"FLOPs: three products (logits, grad_hidden, grad_weight), {GEMM_FORMULA}, + 8 per logit "
+            f"(cross-entropy){SOFTCAP_NOTE}")
 
 
 def forward(arguments: Arguments) -> Optional[OpCost]:

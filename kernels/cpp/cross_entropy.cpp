@@ -8,12 +8,13 @@
 //
 // Per row: one pass for the max and the sum of the logits, one computing exp(x - max)
 // into a row buffer (the only exp per element) and its sum, one writing the gradient from
-// that buffer. The row is small enough to stay in cache across the three.
+// that buffer. The row is small enough to stay in cache across the three. With a soft-cap
+// c, the first pass writes c * tanh(x / c) into the buffer (and 1 - tanh^2, the gradient's
+// factor, into a second one), and the others read the capped logits from there.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -21,8 +22,10 @@
 #include <tuple>
 #include <vector>
 
+#include "activations.h"
 #include "dispatched.h"
 #include "rows.h"
+#include "torch_internals.h"
 
 namespace te_lab_cpu {
 namespace {
@@ -34,6 +37,7 @@ using torch::autograd::variable_list;
 struct LossOptions {
   int64_t ignore_index;
   double label_smoothing, z_loss;
+  double softcap;  // 0: none
 };
 
 // Every label is ignore_index or a class in [0, vocab): checked before any row is read.
@@ -54,8 +58,11 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
   const Acc smoothing = static_cast<Acc>(options.label_smoothing);
   const Acc z_loss = static_cast<Acc>(options.z_loss);
   const Acc uniform = smoothing / static_cast<Acc>(vocab);
+  const bool capped = options.softcap != 0.0;
+  const Acc cap = static_cast<Acc>(options.softcap);
   at::parallel_for(0, rows, rows_per_task(vocab), [&](int64_t begin, int64_t end) {
-    std::vector<Acc> exps(vocab);
+    // exps holds the capped logits until the second pass replaces them by their exps.
+    std::vector<Acc> exps(vocab), slopes(capped ? vocab : 0);
     Acc a[BLOCK];
     for (int64_t row = begin; row < end; ++row) {
       const T* x = logits + row * vocab;
@@ -71,7 +78,13 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
         const int64_t count = std::min(BLOCK, vocab - start);
         const Acc* values = load_block(x + start, a, count);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
-          const V v = V::loadu(values + j, c);
+          V v = V::loadu(values + j, c);
+          if (capped) {
+            const V t = tanh_of<Acc>(v / V(cap));
+            (V(Acc(1)) - t * t).store(slopes.data() + start + j, c);
+            v = t * V(cap);
+            v.store(exps.data() + start + j, c);
+          }
           // a partial vector's padding is 0: it takes the max of the loaded lanes only
           maxima = c == V::size() ? at::vec::maximum(maxima, v)
                                   : V::set(maxima, at::vec::maximum(maxima, v), c);
@@ -80,10 +93,11 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
       }
       const Acc row_max = at::vec::vec_reduce_all<Acc>(
           [](V& p, V& q) { return at::vec::maximum(p, q); }, maxima);
+      const Acc x_label = capped ? exps[label] : static_cast<Acc>(x[label]);
       V exp_sums(Acc(0));
       for (int64_t start = 0; start < vocab; start += BLOCK) {
         const int64_t count = std::min(BLOCK, vocab - start);
-        const Acc* values = load_block(x + start, a, count);
+        const Acc* values = capped ? exps.data() + start : load_block(x + start, a, count);
         for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
           const V e = exp_of<Acc>(V::loadu(values + j, c) - V(row_max));
           e.store(exps.data() + start + j, c);
@@ -92,7 +106,6 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
       }
       const Acc sum_exp = sum_of(exp_sums);
       const Acc lse = row_max + std::log(sum_exp);
-      const Acc x_label = static_cast<Acc>(x[label]);
       loss[row] = (Acc(1) - smoothing) * (lse - x_label) + smoothing * (lse - sum_of(sums) / static_cast<Acc>(vocab)) +
                   z_loss * lse * lse;
       if (g == nullptr) continue;
@@ -105,6 +118,11 @@ void forward_rows(const T* logits, const int64_t* labels, Acc* loss, T* grad, in
           (V::loadu(exps.data() + start + j, c) * scale - V(uniform)).store(out + j, c);
         });
         if (start <= label && label < start + count) out[label - start] -= Acc(1) - smoothing;
+        if (capped) {
+          for_each_vector<Acc>(count, [&](int64_t j, int64_t c) {
+            (V::loadu(out + j, c) * V::loadu(slopes.data() + start + j, c)).store(out + j, c);
+          });
+        }
         store_block(out, g + start, count);
       }
     }
@@ -132,18 +150,19 @@ Tensor forward_into(const Tensor& logits, const Tensor& labels_in, const Tensor&
 
 // (losses, gradient or an empty tensor), as the Python op returns them.
 std::tuple<Tensor, Tensor> cross_entropy_forward(const Tensor& logits_in, const Tensor& labels, int64_t ignore_index,
-                                                 double label_smoothing, double z_loss, bool compute_grad) {
+                                                 double label_smoothing, double z_loss, double softcap,
+                                                 bool compute_grad) {
   const Tensor logits = logits_in.contiguous();
   Tensor grad = compute_grad ? at::empty_like(logits) : Tensor();
-  Tensor loss = forward_into(logits, labels, grad, {ignore_index, label_smoothing, z_loss});
+  Tensor loss = forward_into(logits, labels, grad, {ignore_index, label_smoothing, z_loss, softcap});
   return {loss, compute_grad ? grad : at::empty({0}, logits.options())};
 }
 
 // The losses; the gradient is written over logits, which the caller no longer needs.
 Tensor cross_entropy_over_logits(Tensor& logits, const Tensor& labels, int64_t ignore_index, double label_smoothing,
-                                 double z_loss) {
+                                 double z_loss, double softcap) {
   TORCH_CHECK_VALUE(logits.is_contiguous(), "cross_entropy_over_logits: logits must be contiguous");
-  return forward_into(logits, labels, logits, {ignore_index, label_smoothing, z_loss});
+  return forward_into(logits, labels, logits, {ignore_index, label_smoothing, z_loss, softcap});
 }
 
 // out = grad scaled by each row's upstream gradient, computed in the loss's precision and
@@ -215,12 +234,13 @@ Tensor call_backward(Tensor grad, const Tensor& dloss, bool in_place) {
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels, int64_t ignore_index,
-                               double label_smoothing, double z_loss, bool compute_grad, c10::DispatchKeySet keys) {
+                               double label_smoothing, double z_loss, double softcap, bool compute_grad,
+                               c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::cross_entropy.cpp.
     static const auto op = cpp_overload<decltype(cross_entropy_forward)>("te_lab::cross_entropy");
-    auto [loss, grad] =
-        op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+    auto [loss, grad] = op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss,
+                                      softcap, compute_grad);
     ctx->save_for_backward({grad});
     ctx->set_materialize_grads(false);
     const Tensor none = at::empty({0}, logits.options());
@@ -229,25 +249,28 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const variable_list none(7);
+    const variable_list none(8);
     if (!grads[0].defined()) return none;
     const Tensor grad = ctx->get_saved_variables()[0];
     TORCH_CHECK(grad.dim() == 2 || grads[0].sym_numel() == 0,
                 "te_lab::cross_entropy: backward needs the gradient the forward computes (compute_grad=True)");
     variable_list result = none;
-    result[0] = call_backward(grad, grads[0], !torch::autograd::get_current_graph_task_keep_graph());
+    result[0] = call_backward(grad, grads[0], !backward_keeps_graph());
     return result;
   }
 };
 
 std::tuple<Tensor, Tensor> cross_entropy_autograd(c10::DispatchKeySet keys, const Tensor& logits, const Tensor& labels, int64_t ignore_index,
-                                                  double label_smoothing, double z_loss, bool compute_grad) {
+                                                  double label_smoothing, double z_loss, double softcap,
+                                                  bool compute_grad) {
   if (!(at::GradMode::is_enabled() && logits.requires_grad())) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static const auto op = cpp_overload<decltype(cross_entropy_forward)>("te_lab::cross_entropy");
-    return op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss, compute_grad);
+    return op.redispatch(keys_below_autograd(keys), logits, labels, ignore_index, label_smoothing, z_loss, softcap,
+                         compute_grad);
   }
-  auto outputs = CrossEntropyFunction::apply(logits, labels, ignore_index, label_smoothing, z_loss, compute_grad, keys);
+  auto outputs =
+      CrossEntropyFunction::apply(logits, labels, ignore_index, label_smoothing, z_loss, softcap, compute_grad, keys);
   return {outputs[0], outputs[1]};
 }
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -42,7 +42,8 @@ CI_SCENARIOS = frozenset([
       for dtype, hidden, residual in (("fp32", 8192, " +residual"), ("bf16", 8192, " +residual"), ("fp16", 4096, ""),
                                       ("bf16", 16384, " +residual"), ("fp32", 16384, ""))),
     "cross_entropy fp32 vocab=128256", "cross_entropy bf16 vocab=256000", "cross_entropy fp16 vocab=50257",
-    "fused_linear_cross_entropy bf16 vocab=128256 mean",
+    "fused_linear_cross_entropy bf16 vocab=128256 mean", "cross_entropy fp32 vocab=256000 softcap",
+    "fused_linear_cross_entropy bf16 vocab=256000 mean softcap",
     "attention fp32 head_dim=64 causal", "attention fp32 head_dim=128", "attention bf16 head_dim=64 causal",
     "attention bf16 head_dim=128", "attention fp16 head_dim=128 causal", "attention fp32 head_dim=64 causal tf32",
     "attention fp32 head_dim=128 boolean mask", "attention fp32 head_dim=64",
@@ -105,27 +106,29 @@ def _norm_scenarios() -> list[Scenario]:
     return found
 
 
-def _cross_entropy(dtype, vocab: int, *, grad: bool) -> Callable[[], None]:
+def _cross_entropy(dtype, vocab: int, *, grad: bool, softcap: Optional[float] = None) -> Callable[[], None]:
     from te_lab import kernels
 
     def run():
         logits = _leaf(64, vocab, dtype=dtype)
         labels = torch.zeros(64, dtype=torch.long)
         labels[::5] = -100
-        loss = kernels.cross_entropy(logits, labels, label_smoothing=0.1, z_loss=1e-4, backend="triton")
+        loss = kernels.cross_entropy(logits, labels, label_smoothing=0.1, z_loss=1e-4, softcap=softcap,
+                                     backend="triton")
         if grad:
             _backward(loss, [logits])
     return run
 
 
-def _linear_cross_entropy(dtype, vocab: int, reduction: str) -> Callable[[], None]:
+def _linear_cross_entropy(dtype, vocab: int, reduction: str, softcap: Optional[float] = None) -> Callable[[], None]:
     from te_lab import kernels
 
     def run():
         # a small hidden size: the chunks' GEMMs run on the CPU (slowly in half precision)
         hidden, weight = _leaf(16, 16, dtype=dtype), _leaf(vocab, 16, dtype=dtype)
         labels = torch.zeros(16, dtype=torch.long)
-        loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction, backend="triton")
+        loss = kernels.fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction, softcap=softcap,
+                                                  backend="triton")
         _backward(loss, [hidden, weight])
     return run
 
@@ -140,6 +143,11 @@ def _loss_scenarios() -> list[Scenario]:
         for reduction in ("mean", "none"):
             found.append(Scenario(f"fused_linear_cross_entropy {name} vocab=128256 {reduction}",
                                   _linear_cross_entropy(dtype, 128256, reduction)))
+        # Gemma 2's final logit soft-capping (cap 30, vocabulary 256000)
+        found.append(Scenario(f"cross_entropy {name} vocab=256000 softcap", _cross_entropy(dtype, 256000, grad=True,
+                                                                                          softcap=30.0)))
+        found.append(Scenario(f"fused_linear_cross_entropy {name} vocab=256000 mean softcap",
+                              _linear_cross_entropy(dtype, 256000, "mean", softcap=30.0)))
     return found
 
 

@@ -10,6 +10,9 @@ A head whose logits the model scales (Cohere's ``logits * logit_scale``, Granite
 ``logits / logits_scaling``) is fused with the scale applied where it costs least:
 ``(hidden * s) @ W^T + bias * s`` is ``s * (hidden @ W^T + bias)``, so the hidden states
 (``[tokens, hidden]``, not ``[tokens, vocab]``) are scaled before the fused loss.
+A head that soft-caps its logits (Gemma 2's ``final_logit_softcapping``:
+``cap * tanh(logits / cap)``) passes the cap to the fused loss, which applies it, and its
+derivative, inside the chunks.
 
 The loss is Hugging Face's causal-LM convention: position ``t`` predicts label
 ``t + 1`` (or ``shift_labels``, when given, are the targets as they are), ``-100`` is
@@ -49,15 +52,17 @@ class FusedLMHeadLoss:
 
     ``head`` and ``body`` name the model's children (``lm_head`` and its
     ``base_model_prefix``); ``output_type`` is the class of the model's output;
-    ``logit_scale`` the factor the model multiplies its logits by (1: none).
+    ``logit_scale`` the factor the model multiplies its logits by (1: none);
+    ``softcap`` the cap its logits are soft-capped at after that (None: none).
     """
 
     ops = (FUSED_LINEAR_CROSS_ENTROPY,)
 
     def __init__(self, model: nn.Module, *, head: str, body: str, output_type: type, logit_scale: float = 1.0,
-                 backend: Optional[str] = None):
+                 softcap: Optional[float] = None, backend: Optional[str] = None):
         self.model = model
         self.logit_scale = float(logit_scale)
+        self.softcap = None if softcap is None else float(softcap)
         self.head_name, self.body_name = head, body
         self.output_type = output_type
         self.backend = backend if backend in FUSED_LINEAR_CROSS_ENTROPY.backends() else None
@@ -94,7 +99,8 @@ class FusedLMHeadLoss:
         if targets is None:
             targets = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
         loss = fused_linear_cross_entropy(hidden, weight, targets.to(hidden.device), bias, ignore_index=IGNORE_INDEX,
-                                          reduction="mean" if num_items is None else "sum", backend=self.backend)
+                                          reduction="mean" if num_items is None else "sum", softcap=self.softcap,
+                                          backend=self.backend)
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if isinstance(num_items, Tensor) else num_items)
         return self.output_type(loss=loss, logits=None, **_carried_fields(self._carried_field_names, body_output))

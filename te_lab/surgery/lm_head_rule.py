@@ -8,8 +8,10 @@ fields. The probe runs the whole model with labels and compares the loss and eve
 parameter gradient; labels are added to a captured call that lacks them (the inputs
 shifted by one, as for language-model training). A model with a logit scale among its
 attributes (Cohere's ``logit_scale``, a factor; Granite's ``config.logits_scaling``, a
-divisor) is offered the head with that scale applied first, then without; the probe
-keeps the one that reproduces it. An ``lm_head`` that stands in for a Linear (a LoRA
+divisor) is offered the head with that scale applied first, then without; one whose
+config names a final logit soft-cap (``final_logit_softcapping``: Gemma 2 and 3, VaultGemma,
+Nanochat, ...) is offered the fused loss with that cap first, then without; the probe
+keeps the first that reproduces the model. An ``lm_head`` that stands in for a Linear (a LoRA
 layer) and a model whose forward someone else has wrapped are skipped with the reason.
 """
 
@@ -63,6 +65,13 @@ def logit_scales(module: nn.Module) -> tuple[float, ...]:
     return tuple(scales)
 
 
+def logit_softcaps(module: nn.Module) -> tuple[float, ...]:
+    """The soft-cap the model's config names for its final logits (``cap * tanh(logits /
+    cap)``), if a positive number."""
+    cap = _number(getattr(getattr(module, "config", None), "final_logit_softcapping", None))
+    return (cap,) if cap is not None and cap > 0 else ()
+
+
 def match_lm_head_loss(module: nn.Module) -> MatchResult:
     head = module._modules.get("lm_head")
     body_name = getattr(module, "base_model_prefix", None)
@@ -86,7 +95,7 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
         ids = torch.randint(0, vocab, PROBE_TOKENS, generator=generator).to(device)
         return ProbeInputs((), {"input_ids": ids, "labels": ids.clone()})
 
-    def variant(logit_scale: float) -> Variant:
+    def variant(logit_scale: float, softcap: Optional[float]) -> Variant:
         def build(options: BuildOptions) -> FusedLMHeadLoss:
             with quiet_state([module], device), torch.no_grad():
                 output = call_with(module, example())
@@ -95,15 +104,18 @@ def match_lm_head_loss(module: nn.Module) -> MatchResult:
                 raise TypeError(f"{type(module).__name__} returns {type(output).__name__}, not an output object with "
                                 f"loss and logits fields, which the fused forward fills in")
             return FusedLMHeadLoss(module, head="lm_head", body=body_name, output_type=type(output),
-                                   logit_scale=logit_scale, backend=options.backend)
-        return Variant(build, note="" if logit_scale == 1.0 else f"logits scaled by {logit_scale:g}")
+                                   logit_scale=logit_scale, softcap=softcap, backend=options.backend)
+        notes = ([] if logit_scale == 1.0 else [f"logits scaled by {logit_scale:g}"]) + (
+            [] if softcap is None else [f"logits soft-capped at {softcap:g}"])
+        return Variant(build, note="; ".join(notes))
 
-    return Match([variant(scale) for scale in (*logit_scales(module), 1.0)], example, complete_inputs=_with_labels,
+    return Match([variant(scale, cap) for scale in (*logit_scales(module), 1.0)
+                  for cap in (*logit_softcaps(module), None)], example, complete_inputs=_with_labels,
                  probe_outputs=_loss_only, replaces_forward=True)
 
 
 LM_HEAD_LOSS = FusionRule(
     "lm_head_loss", "loss",
     "causal-LM head + cross-entropy -> chunked fused linear cross-entropy when called with labels "
-    "(the output's logits are then None)",
+    "(the output's logits are then None); logit scales and final logit soft-capping included",
     match_lm_head_loss)
