@@ -1,13 +1,14 @@
 """LayerNorm, optionally fused with the residual add before it.
 
     h = x + residual                      (when a residual is given)
-    y = (h - mean(h)) * rsqrt(var(h) + eps) * weight + bias
+    y = (h - mean(h)) * rsqrt(var(h) + eps) * (weight + weight_offset) + bias
 
 computed in float32 (float64 for float64 inputs) and cast back to the input dtype;
-the variance is the biased one, as ``nn.LayerNorm`` uses. With a residual the op
-returns ``(y, h)``: ``h`` is the next residual stream, written in the same pass.
+the variance is the biased one, as ``nn.LayerNorm`` uses. ``weight_offset=1.0`` gives
+Nemotron's LayerNorm1P, which scales by ``1 + weight``. With a residual the op returns
+``(y, h)``: ``h`` is the next residual stream, written in the same pass.
 
-Backward: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * weight
+Backward: dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * (weight + offset)
 and x_hat = (h - mean) * rstd; dweight = sum over rows of dy * x_hat, dbias = sum
 over rows of dy. The gradient of ``h`` flowing in from the residual stream is added
 in the same pass, and x and residual share it.
@@ -46,14 +47,14 @@ NAME = "layer_norm"
 
 
 def layer_norm_reference(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                         eps: float = 1e-5, *, residual: Optional[Tensor] = None):
+                         eps: float = 1e-5, *, residual: Optional[Tensor] = None, weight_offset: float = 0.0):
     """The unfused PyTorch math: the truth every backend is compared against."""
     h = x if residual is None else x + residual
     hf = h.to(compute_dtype(h))
     centered = hf - hf.mean(-1, keepdim=True)
     y = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.to(hf.dtype)
+        y = y * (weight.to(hf.dtype) + weight_offset)
     if bias is not None:
         y = y + bias.to(hf.dtype)
     y = y.to(x.dtype)
@@ -63,7 +64,7 @@ def layer_norm_reference(x: Tensor, weight: Optional[Tensor] = None, bias: Optio
 # ---- row-wise math on 2-D tensors, compiled by the inductor backend ----
 
 def _forward_math(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                  bias: Optional[Tensor], eps: float):
+                  bias: Optional[Tensor], eps: float, offset: float):
     h = x if residual is None else x + residual
     hf = h.to(compute_dtype(h))
     mean = hf.mean(-1)
@@ -71,17 +72,18 @@ def _forward_math(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor
     rstd = torch.rsqrt(centered.pow(2).mean(-1) + eps)
     y = centered * rstd[:, None]
     if weight is not None:
-        y = y * weight.to(hf.dtype)
+        y = y * (weight.to(hf.dtype) + offset)
     if bias is not None:
         y = y + bias.to(hf.dtype)
     return y.to(x.dtype), (None if residual is None else h), mean, rstd
 
 
 def _backward_math(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor],
-                   bias: Optional[Tensor], mean: Tensor, rstd: Tensor, need_dw: bool, need_db: bool):
+                   bias: Optional[Tensor], mean: Tensor, rstd: Tensor, offset: float, need_dw: bool,
+                   need_db: bool):
     x_hat = (h.to(rstd.dtype) - mean[:, None]) * rstd[:, None]
     dyf = dy.to(rstd.dtype)
-    g = dyf if weight is None else dyf * weight.to(rstd.dtype)
+    g = dyf if weight is None else dyf * (weight.to(rstd.dtype) + offset)
     dx = rstd[:, None] * (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True))
     if dh is not None:
         dx = dx + dh.to(rstd.dtype)
@@ -100,6 +102,13 @@ def _native_supports(device_type: str) -> bool:
                for name in ("native_layer_norm", "native_layer_norm_backward"))
 
 
+def _offset_weight(weight: Optional[Tensor], dtype: torch.dtype, offset: float) -> Optional[Tensor]:
+    """``weight + offset`` in ``dtype`` (the weight itself, cast, without an offset)."""
+    if weight is None:
+        return None
+    return cast(weight, dtype) + offset if offset else cast(weight, dtype)
+
+
 class _Native:
     """ATen's fused LayerNorm kernels, with the residual add as a separate op.
 
@@ -108,24 +117,25 @@ class _Native:
     allocated tensor, while here it is added into ATen's input gradient in place (on
     the CPU, writing fresh memory costs about three times an in-place pass).
     ATen keeps mean and rstd in the input dtype for half-precision inputs without
-    float32 parameters, so those inputs are normalised in the compute dtype.
+    float32 parameters, so those inputs are normalised in the compute dtype. A weight
+    offset is added to the weight ATen is given (its weight gradient does not read it).
     """
 
     @staticmethod
-    def forward(x, residual, weight, bias, eps):
+    def forward(x, residual, weight, bias, eps, offset):
         h = x if residual is None else x + residual
         acc = compute_dtype(h)
         y, mean, rstd = torch.native_layer_norm(
-            cast(h, acc), [h.shape[-1]], None if weight is None else cast(weight, acc),
+            cast(h, acc), [h.shape[-1]], _offset_weight(weight, acc, offset),
             None if bias is None else cast(bias, acc), eps)
         return cast(y, x.dtype), (None if residual is None else h), mean.view(-1), rstd.view(-1)
 
     @staticmethod
-    def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
+    def backward(dy, dh, h, weight, bias, mean, rstd, offset, need_dw, need_db):
         acc = rstd.dtype
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             cast(dy, acc), cast(h, acc), [h.shape[-1]], mean.view(-1, 1), rstd.view(-1, 1),
-            None if weight is None else cast(weight, acc), None if bias is None else cast(bias, acc),
+            _offset_weight(weight, acc, offset), None if bias is None else cast(bias, acc),
             [True, need_dw, need_db])
         if dh is not None:
             dx = dx.add_(dh)
@@ -136,18 +146,18 @@ class _Native:
 if HAS_TRITON:
 
     @triton.jit
-    def _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, HAS_WEIGHT: tl.constexpr,
+    def _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, offset, HAS_WEIGHT: tl.constexpr,
                            HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
         mask = cols < n_cols
         y = centered * rstd
         if HAS_WEIGHT:
-            y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+            y = y * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
         if HAS_BIAS:
             y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
         tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _layer_norm_forward_kernel(X, R, W, B, Y, H, MEAN, RSTD, x_stride, r_stride, n_cols, eps,
+    def _layer_norm_forward_kernel(X, R, W, B, Y, H, MEAN, RSTD, x_stride, r_stride, n_cols, eps, offset,
                                    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
                                    ONE_BLOCK: tl.constexpr):
@@ -163,7 +173,7 @@ if HAS_TRITON:
             # the padding past the row's end must not count towards the variance
             centered = tl.where(cols < n_cols, hf - mean, 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-            _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, HAS_WEIGHT, HAS_BIAS, ACC)
+            _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, cols, offset, HAS_WEIGHT, HAS_BIAS, ACC)
         else:
             sums = tl.zeros((BLOCK,), dtype=ACC)
             for start in range(0, n_cols, BLOCK):
@@ -181,21 +191,22 @@ if HAS_TRITON:
                 hf = load_norm_input(X, R, H, row, x_stride, r_stride, n_cols, start + cols, HAS_RESIDUAL, False,
                                        ACC)
                 centered = tl.where(start + cols < n_cols, hf - mean, 0.0)
-                _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, start + cols, HAS_WEIGHT, HAS_BIAS, ACC)
+                _layer_norm_output(W, B, Y, centered, rstd, row, n_cols, start + cols, offset, HAS_WEIGHT, HAS_BIAS,
+                                   ACC)
         tl.store(MEAN + row, mean)
         tl.store(RSTD + row, rstd)
 
     @triton.jit
-    def _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, cols, HAS_WEIGHT: tl.constexpr,
+    def _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, cols, offset, HAS_WEIGHT: tl.constexpr,
                                    ACC: tl.constexpr):
-        """(dy, x_hat, g = dy * w) over columns ``cols`` of the row at element ``start``."""
+        """(dy, x_hat, g = dy * (w + offset)) over columns ``cols`` of the row at element ``start``."""
         mask = cols < n_cols
         dy = tl.load(DY + start + cols, mask=mask, other=0.0).to(ACC)
         h = tl.load(H + start + cols, mask=mask, other=0.0).to(ACC)
         x_hat = tl.where(mask, (h - mean) * rstd, 0.0)
         g = dy
         if HAS_WEIGHT:
-            g = dy * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+            g = dy * (tl.load(W + cols, mask=mask, other=0.0).to(ACC) + offset)
         return dy, x_hat, g
 
     @triton.jit
@@ -209,7 +220,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _layer_norm_backward_kernel(DY, DH, H, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols,
-                                    rows_per_program, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                                    rows_per_program, offset, HAS_DH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                                     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                                     ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """Rows [first, last) per program, every program at least one. A row that fits one BLOCK
@@ -228,7 +239,7 @@ if HAS_TRITON:
                 start = row * n_cols
                 rstd = tl.load(RSTD + row)
                 dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, tl.load(MEAN + row), rstd, start, n_cols, cols,
-                                                          HAS_WEIGHT, ACC)
+                                                          offset, HAS_WEIGHT, ACC)
                 if NEED_DW:
                     dw += dy * x_hat
                 if NEED_DB:
@@ -248,7 +259,7 @@ if HAS_TRITON:
                 products = tl.zeros((BLOCK,), dtype=ACC)
                 for block_start in range(0, n_cols, BLOCK):
                     dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols,
-                                                              block_start + cols, HAS_WEIGHT, ACC)
+                                                              block_start + cols, offset, HAS_WEIGHT, ACC)
                     g_sums += g
                     products += g * x_hat
                 sum_g = tl.sum(g_sums, axis=0)
@@ -257,7 +268,7 @@ if HAS_TRITON:
                     block = block_start + cols
                     inside = block < n_cols
                     dy, x_hat, g = _layer_norm_backward_terms(DY, H, W, mean, rstd, start, n_cols, block,
-                                                              HAS_WEIGHT, ACC)
+                                                              offset, HAS_WEIGHT, ACC)
                     _layer_norm_input_grad(DH, DX, g, x_hat, rstd, sum_g, sum_g_x_hat, start, n_cols, block,
                                            HAS_DH, ACC)
                     # the first row starts the partial sums (the buffers are not zeroed: their contents are ignored)
@@ -273,7 +284,7 @@ if HAS_TRITON:
 
 class _Triton:
     @staticmethod
-    def forward(x, residual, weight, bias, eps):
+    def forward(x, residual, weight, bias, eps, offset):
         rows, n = x.shape
         block = column_block(n)
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -285,13 +296,13 @@ class _Triton:
         with devices.device_guard(x.device):
             _layer_norm_forward_kernel[(rows,)](
                 x, residual, weight, bias, y, h, mean, rstd, x.stride(0),
-                0 if residual is None else residual.stride(0), n, eps,
+                0 if residual is None else residual.stride(0), n, eps, offset,
                 HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                 ACC=triton_compute_dtype(x), BLOCK=block, ONE_BLOCK=n <= block, num_warps=num_warps_for(block))
         return y, h, mean, rstd
 
     @staticmethod
-    def backward(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db):
+    def backward(dy, dh, h, weight, bias, mean, rstd, offset, need_dw, need_db):
         rows, n = h.shape
         block = column_block(n)
         dy, h = dy.contiguous(), h.contiguous()
@@ -303,7 +314,7 @@ class _Triton:
         with devices.device_guard(h.device):
             _layer_norm_backward_kernel[(programs,)](
                 dy, dh, h, weight, mean, rstd, dx, dw_partial, db_partial, rows, n,
-                rows_per_program, HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
+                rows_per_program, offset, HAS_DH=dh is not None, HAS_WEIGHT=weight is not None,
                 NEED_DW=need_dw, NEED_DB=need_db,
                 ACC=triton_compute_dtype(h), BLOCK=block, ONE_BLOCK=n <= block, num_warps=norm_backward_warps(block))
         return (dx, dw_partial.sum(0).to(weight.dtype) if need_dw else None,
@@ -334,37 +345,40 @@ _EMPTY = (0,)
 
 
 def _forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
-             eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             eps: float, weight_offset: float, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     y, h, mean, rstd = _IMPLEMENTATIONS[backend].forward(
-        as_rows(x), None if residual is None else as_rows(residual), weight, bias, eps)
+        as_rows(x), None if residual is None else as_rows(residual), weight, bias, eps, weight_offset)
     h = x.new_empty(_EMPTY) if h is None else shaped_like(h, x)
     return shaped_like(y, x), h, mean, rstd
 
 
-def _forward_fake(x, residual, weight, bias, eps, backend):
+def _forward_fake(x, residual, weight, bias, eps, weight_offset, backend):
     h = x.new_empty(_EMPTY) if residual is None else x.new_empty(x.shape)
     stats = x.new_empty(x.shape[:-1].numel(), dtype=compute_dtype(x))
     return x.new_empty(x.shape), h, stats, torch.empty_like(stats)
 
 
 def _backward(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-              mean: Tensor, rstd: Tensor, need_dw: bool, need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+              mean: Tensor, rstd: Tensor, weight_offset: float, need_dw: bool, need_db: bool,
+              backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _IMPLEMENTATIONS[backend].backward(
-        as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, bias, mean, rstd, need_dw, need_db)
+        as_rows(dy), None if dh is None else as_rows(dh), as_rows(h), weight, bias, mean, rstd, weight_offset,
+        need_dw, need_db)
     return (shaped_like(dx, h), h.new_empty(_EMPTY) if dw is None else dw,
             h.new_empty(_EMPTY) if db is None else db)
 
 
-def _backward_fake(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db, backend):
+def _backward_fake(dy, dh, h, weight, bias, mean, rstd, weight_offset, need_dw, need_db, backend):
     return (h.new_empty(h.shape), weight.new_empty(weight.shape) if need_dw else h.new_empty(_EMPTY),
             bias.new_empty(bias.shape) if need_db else h.new_empty(_EMPTY))
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, backend = inputs
+    x, residual, weight, bias, eps, weight_offset, backend = inputs
     _, h, mean, rstd = output
     ctx.save_for_backward(x if residual is None else h, weight, bias, mean, rstd)
     ctx.has_residual = residual is not None
+    ctx.weight_offset = weight_offset
     ctx.set_materialize_grads(False)
 
 
@@ -375,9 +389,9 @@ def _gradients(ctx, dy, dh, _dmean, _drstd):
     if dy is None:
         dy = torch.zeros_like(h)
     dx, dw, db = ctx.backward_op(dy, dh if ctx.has_residual else None, h, weight, bias,
-                                 mean, rstd, need_dw, need_db, ctx.backend)
+                                 mean, rstd, ctx.weight_offset, need_dw, need_db, ctx.backend)
     return (dx, (dx if ctx.has_residual else None), (dw if need_dw else None),
-            (db if need_db else None), None, None)
+            (db if need_db else None), None, None, None)
 
 
 # As F.layer_norm under autocast: float32 where it is on autocast's float32 list (CUDA).
@@ -398,13 +412,15 @@ LAYER_NORM, _layer_norm_op, _ = define_op(
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-               eps: float = 1e-5, *, residual: Optional[Tensor] = None, backend: Optional[str] = None):
+               eps: float = 1e-5, *, residual: Optional[Tensor] = None, weight_offset: float = 0.0,
+               backend: Optional[str] = None):
     """Fused LayerNorm over the last dimension of ``x``.
 
     Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``weight``
     and ``bias`` have the length of the last dimension (their dtypes may differ from
-    ``x``'s). ``backend`` forces ``"triton"``, ``"native"``, ``"inductor"``, ``"cpp"``
-    or ``"reference"`` (see :mod:`te_lab.kernels.registry`).
+    ``x``'s). ``weight_offset=1.0`` scales by ``1 + weight`` (Nemotron's LayerNorm1P).
+    ``backend`` forces ``"triton"``, ``"native"``, ``"inductor"``, ``"cpp"`` or
+    ``"reference"`` (see :mod:`te_lab.kernels.registry`).
     """
     check_tensor(NAME, "x", x)
     n = x.shape[-1]
@@ -415,8 +431,11 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     if bias is not None:
         check_parameter(NAME, "bias", bias, x, "x", n)
     eps = check_positive(NAME, "eps", eps)
+    if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
+        raise TypeError(f"{NAME}: weight_offset must be a number, got {weight_offset!r}")
     chosen = select_measured_backend(LAYER_NORM, x.device, backend, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "reference":
-        return run_reference(LAYER_NORM, layer_norm_reference, x, weight, bias, eps, residual=residual)
-    y, h, _, _ = _layer_norm_op(x, residual, weight, bias, eps, chosen)
+        return run_reference(LAYER_NORM, layer_norm_reference, x, weight, bias, eps, residual=residual,
+                             weight_offset=weight_offset)
+    y, h, _, _ = _layer_norm_op(x, residual, weight, bias, eps, float(weight_offset), chosen)
     return y if residual is None else (y, h)

@@ -562,6 +562,45 @@ def test_a_bias_free_layernorm_like_module_is_fused_as_layernorm():
     assert_close(block(x), expected)
 
 
+class OneOffsetLayerNorm(nn.LayerNorm):
+    """Nemotron's LayerNorm1P by structure: an nn.LayerNorm whose forward scales by 1 + weight."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+
+class OneOffsetLayerNormLike(nn.Module):
+    """The same outside torch.nn: weight, bias and eps, no base class to go by."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.5, 0.5, hidden))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, hidden))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], 1.0 + self.weight, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("norm", [OneOffsetLayerNorm(32), OneOffsetLayerNormLike(32)], ids=["subclass", "norm-like"])
+def test_layernorm_scaling_by_one_plus_weight_is_found_by_the_probe(norm):
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-1.5, 0.5, 32))
+    block = Block(norm)
+    x = torch.randn(2, 5, 32) * 50
+    expected = block(x)
+    (row,) = te_lab.fuse(block, sample=x).rows
+    assert (row.rule, row.status, row.variant) == ("layernorm", "fused", "scales by 1 + weight")
+    assert block.norm.weight_offset == 1.0
+    assert_close(block(x), expected)
+
+
+def test_a_plain_layernorm_is_offered_its_own_formula_only():
+    from te_lab.surgery.norm_rules import match_layernorm
+    assert len(match_layernorm(nn.LayerNorm(8)).variants) == 1
+    assert len(match_layernorm(OneOffsetLayerNorm(8)).variants) == 2
+
+
 def test_fuse_inside_inference_mode_is_refused():
     model = models.llama("tiny", seed=15)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):

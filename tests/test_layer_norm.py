@@ -14,6 +14,7 @@ from conftest import (
     leaf,
 )
 from te_lab.kernels.layer_norm import LAYER_NORM, layer_norm, layer_norm_reference
+from te_lab.kernels.precision import error_budget
 
 BACKENDS = backend_params(LAYER_NORM)
 
@@ -132,6 +133,42 @@ def test_gradcheck_float64(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weight_offset_at_checkpoint_magnitudes_matches_the_float64_truth(backend, dtype, with_residual):
+    """Nemotron's LayerNorm1P (``1 + weight``) on a residual stream like a pretrained
+    checkpoint's (outlier channels of 5e3, up to 2e4, among values of a few units, norm
+    weights far from 0; float16 holds no more): the output and every gradient as close to
+    the float64 truth as the budget allows against the reference's own rounding in ``dtype``."""
+    x, residual, weight, bias = _inputs((3, 5), 1000, torch.float32, with_residual, True, True)
+    x[..., :3] *= 5e3
+    weight = weight * 10 - 11  # 1 + weight spans about +-1 around 0, LayerNorm1P's checkpoints' range
+    x, residual, weight, bias = (None if t is None else t.to(dtype) for t in (x, residual, weight, bias))
+    truth = _run(layer_norm_reference, *(None if t is None else t.double() for t in (x, residual, weight, bias)),
+                 weight_offset=1.0)
+    unfused = _run(layer_norm_reference, x, residual, weight, bias, weight_offset=1.0)
+    fused = _run(layer_norm, x, residual, weight, bias, weight_offset=1.0, backend=backend)
+    for got, eager, want in zip(fused[0] + fused[1], unfused[0] + unfused[1], truth[0] + truth[1]):
+        budget = error_budget((eager.double() - want).abs().max().item(), want.abs().max().item(), dtype)
+        assert (got.double() - want).abs().max().item() <= budget
+    # The offset matters: without it the output is another one.
+    plain = layer_norm(x, weight, bias, 1e-5, residual=residual, backend=backend)
+    assert ((plain[0] if with_residual else plain).double() - truth[0][0]).abs().max() > 0.5
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+def test_gradcheck_float64_weight_offset(backend):
+    torch.manual_seed(3)
+    x, residual = (torch.randn(3, 7, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight, bias = (torch.randn(7, device=DEVICE, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def fn(x, residual, weight, bias):
+        return layer_norm(x, weight, bias, residual=residual, weight_offset=1.0, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (x, residual, weight, bias))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph(backend):
     torch.manual_seed(3)
     x, residual, weight, bias = (leaf(t) for t in _inputs((4,), 96, torch.float32, True, True, True))
@@ -204,6 +241,7 @@ def test_frozen_parameters_get_no_gradient():
         (dict(eps=-1e-5), ValueError, ["layer_norm", "eps", "positive"]),
         (dict(weight=[1.0] * 8), TypeError, ["layer_norm", "weight", "list"]),
         (dict(backend="cuda"), ValueError, ["layer_norm", "backend", "'cuda'"]),
+        (dict(weight_offset="1"), TypeError, ["layer_norm", "weight_offset", "'1'"]),
     ],
 )
 def test_bad_input_names_the_argument(kwargs, error, words):

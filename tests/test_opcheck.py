@@ -55,7 +55,8 @@ def _rms_norm(backend):
 
 def _layer_norm(backend):
     x, residual, weight, bias = _randn(5, 24), _randn(5, 24), _randn(24), _randn(24)
-    return layer_norm(x, weight, bias, residual=residual, backend=backend), layer_norm(x, backend=backend)
+    return (layer_norm(x, weight, bias, residual=residual, backend=backend), layer_norm(x, backend=backend),
+            layer_norm(x, weight, bias, weight_offset=1.0, backend=backend))
 
 
 def _glu(backend):
@@ -87,7 +88,8 @@ def _attention(backend):
 
 
 def _cross_entropy(backend):
-    return (cross_entropy(_randn(6, 50), _labels(6, 50), label_smoothing=0.1, z_loss=1e-3, backend=backend),)
+    return (cross_entropy(_randn(6, 50), _labels(6, 50), label_smoothing=0.1, z_loss=1e-3, backend=backend),
+            cross_entropy(_randn(6, 50), _labels(6, 50), softcap=3.0, backend=backend))
 
 
 def _fused_linear_cross_entropy(backend):
@@ -95,7 +97,8 @@ def _fused_linear_cross_entropy(backend):
     labels = _labels(6, 50)
     summed = fused_linear_cross_entropy(hidden, weight, labels, bias, chunk_size=4, backend=backend)
     per_token = fused_linear_cross_entropy(hidden, weight, labels, reduction="none", chunk_size=4, backend=backend)
-    return summed, per_token
+    capped = fused_linear_cross_entropy(hidden, weight, labels, bias, softcap=3.0, chunk_size=4, backend=backend)
+    return summed, per_token, capped
 
 
 def _moe(backend):
@@ -203,7 +206,7 @@ def test_every_call_of_the_public_op_passes_opcheck(name, backend):
 
 def _cross_entropy_grad():
     logits, labels = torch.randn(6, 50), _labels(6, 50)
-    _, grad = torch.ops.te_lab.cross_entropy.cpp(logits, labels, -100, 0.1, 1e-3, True)
+    _, grad = torch.ops.te_lab.cross_entropy.cpp(logits, labels, -100, 0.1, 1e-3, 0.0, True)
     return grad
 
 
@@ -213,7 +216,7 @@ def _cross_entropy_grad():
 DIRECT_SAMPLES = {
     "te_lab::cross_entropy_backward.cpp": lambda: (_cross_entropy_grad(), torch.rand(6)),
     "te_lab::cross_entropy_backward.cpp_in_place": lambda: (_cross_entropy_grad(), torch.rand(6)),
-    "te_lab::cross_entropy_over_logits.cpp": lambda: (torch.randn(6, 50), _labels(6, 50), -100, 0.1, 1e-3),
+    "te_lab::cross_entropy_over_logits.cpp": lambda: (torch.randn(6, 50), _labels(6, 50), -100, 0.1, 1e-3, 3.0),
     "te_lab::fused_linear_cross_entropy_scale_.default": lambda: (torch.tensor(0.5), torch.randn(6, 16),
                                                                   torch.randn(50, 16), None),
 }

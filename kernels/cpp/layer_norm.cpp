@@ -5,7 +5,9 @@
 // backend is the same computation reached through Python).
 //
 // The residual stream's gradient is added into ATen's input gradient in place, where
-// eager autograd sums the two into a fresh tensor.
+// eager autograd sums the two into a fresh tensor. A weight offset (Nemotron's LayerNorm1P
+// scales by 1 + weight) is added to the weight ATen is given; its weight gradient does not
+// read the weight, so it is the gradient of the weight itself.
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -30,14 +32,22 @@ std::optional<Tensor> in_dtype(const std::optional<Tensor>& t, at::ScalarType dt
   return given(t) ? std::optional<Tensor>(t->to(dtype)) : std::nullopt;
 }
 
+// weight + offset in the compute dtype (the weight, cast, without an offset).
+std::optional<Tensor> offset_weight(const std::optional<Tensor>& weight, at::ScalarType dtype, double offset) {
+  if (!given(weight) || offset == 0.0) return in_dtype(weight, dtype);
+  return std::optional<Tensor>(at::add(weight->to(dtype), offset));
+}
+
 // (y, h, mean, rstd); h is empty without a residual, mean and rstd have one value per row.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, const std::optional<Tensor>& residual,
                                                               const std::optional<Tensor>& weight,
-                                                              const std::optional<Tensor>& bias, double eps) {
+                                                              const std::optional<Tensor>& bias, double eps,
+                                                              double weight_offset) {
   const Tensor h = given(residual) ? at::add(x, *residual) : x;
   const auto acc = compute_dtype(h.scalar_type());
   const int64_t n = h.dim() == 0 ? 1 : h.size(-1);
-  auto [y, mean, rstd] = at::native_layer_norm(h.to(acc), {n}, in_dtype(weight, acc), in_dtype(bias, acc), eps);
+  auto [y, mean, rstd] =
+      at::native_layer_norm(h.to(acc), {n}, offset_weight(weight, acc, weight_offset), in_dtype(bias, acc), eps);
   return {y.to(x.scalar_type()), given(residual) ? h : at::empty({0}, x.options()), mean.view({-1}),
           rstd.view({-1})};
 }
@@ -46,13 +56,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, c
 std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const std::optional<Tensor>& dh,
                                                        const Tensor& h, const std::optional<Tensor>& weight,
                                                        const std::optional<Tensor>& bias, const Tensor& mean,
-                                                       const Tensor& rstd, bool need_dw, bool need_db) {
+                                                       const Tensor& rstd, double weight_offset, bool need_dw,
+                                                       bool need_db) {
   const auto acc = rstd.scalar_type();
   const int64_t n = h.dim() == 0 ? 1 : h.size(-1);
   need_dw = need_dw && given(weight);
   need_db = need_db && given(bias);
   auto [dx, dw, db] = at::native_layer_norm_backward(dy.to(acc), h.to(acc), {n}, mean.view({-1, 1}),
-                                                     rstd.view({-1, 1}), in_dtype(weight, acc), in_dtype(bias, acc),
+                                                     rstd.view({-1, 1}), offset_weight(weight, acc, weight_offset),
+                                                     in_dtype(bias, acc),
                                                      {true, need_dw, need_db});
   if (given(dh)) dx.add_(*dh);
   // an empty tensor each for gradients not asked for: outputs never alias (the schema says so)
@@ -62,9 +74,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const s
 
 std::tuple<Tensor, Tensor, Tensor> call_backward(const Tensor& dy, const std::optional<Tensor>& dh, const Tensor& h,
                                                  const std::optional<Tensor>& weight, const std::optional<Tensor>& bias,
-                                                 const Tensor& mean, const Tensor& rstd, bool need_dw, bool need_db) {
+                                                 const Tensor& mean, const Tensor& rstd, double weight_offset, bool need_dw,
+                                                 bool need_db) {
   static const auto op = cpp_overload<decltype(layer_norm_backward)>("te_lab::layer_norm_backward");
-  return op.call(dy, dh, h, weight, bias, mean, rstd, need_dw, need_db);
+  return op.call(dy, dh, h, weight, bias, mean, rstd, weight_offset, need_dw, need_db);
 }
 
 std::optional<Tensor> saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
@@ -73,15 +86,16 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& residual,
                                const std::optional<Tensor>& weight, const std::optional<Tensor>& bias, double eps,
-                               c10::DispatchKeySet keys) {
+                               double weight_offset, c10::DispatchKeySet keys) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Below autograd, redispatched (dispatched.h): dispatch modes see te_lab::layer_norm.cpp.
     static const auto op = cpp_overload<decltype(layer_norm_forward)>("te_lab::layer_norm");
-    auto [y, h, mean, rstd] = op.redispatch(keys_below_autograd(keys), x, residual, weight, bias, eps);
+    auto [y, h, mean, rstd] = op.redispatch(keys_below_autograd(keys), x, residual, weight, bias, eps, weight_offset);
     const bool has_residual = given(residual);
     ctx->save_for_backward({has_residual ? h : x, given(weight) ? *weight : Tensor(), given(bias) ? *bias : Tensor(),
                             mean, rstd});
     ctx->saved_data["has_residual"] = has_residual;
+    ctx->saved_data["weight_offset"] = weight_offset;
     ctx->mark_non_differentiable(has_residual ? variable_list{mean, rstd} : variable_list{h, mean, rstd});
     ctx->set_materialize_grads(false);
     return {y, h, mean, rstd};
@@ -97,15 +111,18 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     const bool need_db = s[2].defined() && ctx->needs_input_grad(weight_edge + (s[1].defined() ? 1 : 0));
     const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(h);
     const std::optional<Tensor> dh = has_residual && grads[1].defined() ? std::optional<Tensor>(grads[1]) : std::nullopt;
-    auto [dx, dw, db] = call_backward(dy, dh, h, saved(s[1]), saved(s[2]), s[3], s[4], need_dw, need_db);
-    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), need_db ? db : Tensor(), Tensor(), Tensor()};
+    auto [dx, dw, db] = call_backward(dy, dh, h, saved(s[1]), saved(s[2]), s[3], s[4],
+                                      ctx->saved_data["weight_offset"].toDouble(), need_dw, need_db);
+    return {dx, has_residual ? dx : Tensor(), need_dw ? dw : Tensor(), need_db ? db : Tensor(), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_autograd(c10::DispatchKeySet keys, const Tensor& x, const std::optional<Tensor>& residual,
                                                                const std::optional<Tensor>& weight,
-                                                               const std::optional<Tensor>& bias, double eps) {
-  auto outputs = LayerNormFunction::apply(x, residual, weight, bias, eps, keys);
+                                                               const std::optional<Tensor>& bias, double eps,
+                                                               double weight_offset) {
+  auto outputs = LayerNormFunction::apply(x, residual, weight, bias, eps, weight_offset, keys);
   return {outputs[0], outputs[1], outputs[2], outputs[3]};
 }
 

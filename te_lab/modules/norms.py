@@ -1,6 +1,7 @@
 """Fused twins of normalization layers: RMSNorm (plain or Gemma's ``1 + weight``) and
-LayerNorm, each one pass forward and one backward; and the BERT-style output block,
-whose residual add joins its LayerNorm's pass."""
+LayerNorm (plain or Nemotron's LayerNorm1P, ``1 + weight``), each one pass forward and
+one backward; and the BERT-style output block, whose residual add joins its LayerNorm's
+pass."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import Tensor, nn
 from te_lab.kernels.layer_norm import LAYER_NORM, layer_norm
 from te_lab.kernels.rms_norm import AUTOCAST as RMS_NORM_AUTOCAST, RMS_NORM, rms_norm
 
+from . import direct
 from .base import FusedModule
+from .direct import direct_calls_allowed
 
 
 def _epsilon(eps: Optional[float], x: Tensor) -> float:
@@ -37,8 +40,12 @@ class FusedRMSNorm(FusedModule):
 
     def fused_forward(self, x: Tensor) -> Tensor:
         weight = self._parameters.get("weight")
-        return rms_norm(x, weight, _epsilon(self.eps, x), weight_offset=self.weight_offset,
-                        backend=self.backend_for(RMS_NORM))
+        eps = _epsilon(self.eps, x)
+        if direct_calls_allowed(self):
+            y = direct.rms_norm(x, weight, eps, self.weight_offset)
+            if y is not None:
+                return y
+        return rms_norm(x, weight, eps, weight_offset=self.weight_offset, backend=self.backend_for(RMS_NORM))
 
     def extra_repr(self) -> str:
         offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
@@ -46,21 +53,25 @@ class FusedRMSNorm(FusedModule):
 
 
 class FusedLayerNorm(FusedModule):
-    """``layer_norm(x, weight, bias, eps)`` with the original's weight and bias (if any)."""
+    """``layer_norm(x, weight, bias, eps, weight_offset)`` with the original's weight and
+    bias (if any)."""
     measured_against_original = True
 
     ops = (LAYER_NORM,)
 
-    def __init__(self, original: nn.Module, *, eps: float, backend: Optional[str] = None):
+    def __init__(self, original: nn.Module, *, eps: float, weight_offset: float = 0.0,
+                 backend: Optional[str] = None):
         super().__init__(original, backend)
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def fused_forward(self, x: Tensor) -> Tensor:
         return layer_norm(x, self._parameters.get("weight"), self._parameters.get("bias"), self.eps,
-                          backend=self.backend_for(LAYER_NORM))
+                          weight_offset=self.weight_offset, backend=self.backend_for(LAYER_NORM))
 
     def extra_repr(self) -> str:
-        return f"eps={self.eps}, " + super().extra_repr()
+        offset = f", weight_offset={self.weight_offset}" if self.weight_offset else ""
+        return f"eps={self.eps}{offset}, " + super().extra_repr()
 
 
 class FusedResidualLayerNorm(FusedModule):

@@ -4,7 +4,10 @@ Besides torch's own ``nn.RMSNorm`` and ``nn.LayerNorm``, a *norm-like* module fr
 model library matches: no children, a 1-D ``weight`` (and maybe a ``bias`` of the same
 length) as its only parameters, no buffers, and an epsilon attribute. Which formula it
 computes is left to the probe: RMSNorm scaling by ``weight`` is tried first, then
-Gemma's ``1 + weight``, then LayerNorm; a module none of them reproduces stays as it is.
+Gemma's ``1 + weight``, then LayerNorm scaling by ``weight``, then by ``1 + weight``
+(Nemotron's LayerNorm1P); a module none of them reproduces stays as it is. A subclass of
+``nn.LayerNorm`` that overrides its forward (LayerNorm1P is one) is likewise offered
+both LayerNorm scalings; ``nn.LayerNorm`` itself only its own.
 """
 
 from __future__ import annotations
@@ -45,12 +48,26 @@ def _hidden_input(module: nn.Module, hidden: int):
     return lambda: ProbeInputs((random_tensor(PROBE_SHAPE + (hidden,), module),))
 
 
-def _torch_norm(module: nn.Module, twin: type) -> MatchResult:
-    """``nn.RMSNorm`` / ``nn.LayerNorm``: one formula, known; the last dim only."""
+def _torch_norm(module: nn.Module, twin: type, weight_offsets: tuple[float, ...] = (0.0,)) -> MatchResult:
+    """``nn.RMSNorm`` / ``nn.LayerNorm`` (or a subclass): the last dim only, with each of
+    ``weight_offsets`` for the probe to choose from."""
     hidden = _single_dim(module)
     if hidden is None:
         return Skip(f"normalizes over {tuple(module.normalized_shape)}; the fused op normalizes the last dim only")
-    return Match([Variant(lambda o: twin(module, eps=module.eps, backend=o.backend))], _hidden_input(module, hidden))
+    return Match(_offset_variants(module, module.eps, weight_offsets, twin), _hidden_input(module, hidden))
+
+
+# Weight offsets a LayerNorm whose formula is not known may scale by: weight itself, then
+# 1 + weight (Nemotron's LayerNorm1P).
+LAYER_NORM_OFFSETS = (0.0, 1.0)
+
+
+def _offset_variants(module: nn.Module, eps: float, weight_offsets: tuple[float, ...],
+                     twin: type = FusedLayerNorm) -> list[Variant]:
+    """A ``twin`` per weight offset, noted where it scales by an offset weight."""
+    return [Variant(lambda o, offset=offset: twin(module, eps=eps, backend=o.backend, **(
+        {"weight_offset": offset} if offset else {})), note=f"scales by {offset:g} + weight" if offset else "")
+        for offset in weight_offsets]
 
 
 def match_rmsnorm(module: nn.Module) -> MatchResult:
@@ -69,12 +86,14 @@ def match_rmsnorm(module: nn.Module) -> MatchResult:
 
 def match_layernorm(module: nn.Module) -> MatchResult:
     if isinstance(module, nn.LayerNorm):
-        return _torch_norm(module, FusedLayerNorm)
+        # A subclass with a forward of its own may scale by an offset weight (LayerNorm1P).
+        overridden = type(module).forward is not nn.LayerNorm.forward and module.weight is not None
+        return _torch_norm(module, FusedLayerNorm, LAYER_NORM_OFFSETS if overridden else (0.0,))
     found = _norm_like(module)
     if found is None:
         return None
     hidden, _, eps = found
-    return Match([Variant(lambda o: FusedLayerNorm(module, eps=eps, backend=o.backend))], _hidden_input(module, hidden))
+    return Match(_offset_variants(module, eps, LAYER_NORM_OFFSETS), _hidden_input(module, hidden))
 
 
 def match_residual_layernorm(module: nn.Module) -> MatchResult:
@@ -110,4 +129,5 @@ RESIDUAL_LAYERNORM = FusionRule(
     "projection + dropout + LayerNorm(x + residual) blocks (BERT): the add joins the norm",
     match_residual_layernorm)
 LAYERNORM = FusionRule(
-    "layernorm", "norm", "nn.LayerNorm and LayerNorm-like modules", match_layernorm)
+    "layernorm", "norm", "nn.LayerNorm and LayerNorm-like modules (Nemotron's 1 + weight found by the probe)",
+    match_layernorm)
