@@ -23,8 +23,12 @@ pytestmark = pytest.mark.quiet_machine
 @pytest.mark.slow  # a profile with steps="auto" and 30 rounds of each module alone
 @pytest.mark.xfail(strict=False, reason=(
     "issue 29, open: the norms' profiled figures still come out about 15-30% above the norm timed "
-    "alone (CI's run: +24% eager, +32% fused), attention and MLP mostly within 10%; the profiler's "
-    "remaining cost per recorded op (about 1 us) is the suspect"))
+    "alone (CI's run: +24% eager, +32% fused), attention and MLP mostly within 10%. Measured in thread "
+    "CPU time, each module alone with and without the profiler (loaded 2-core CPU): it adds 22-24% to a "
+    "norm (77 events eager, 25 fused), 16-20% to attention, 2-7% to an MLP and 10-14% to the whole "
+    "step, 1.6-4.8 us per event inside a step against 0.6-1.2 us in a loop of forward ops; so the "
+    "correction's one factor per mode over-charges the norms. A per-event correction calibrated at "
+    "run time is not yet validated"))
 def test_each_module_kinds_profiled_time_matches_the_module_timed_alone():
     model, batch = module_alone.real_like_llama(2, 64)
     checks = module_alone.checked_with_a_rerun(model, batch)
