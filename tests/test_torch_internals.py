@@ -4,6 +4,7 @@ module reaching into torch's private names."""
 
 import ast
 import pathlib
+import re
 
 import torch
 from torch import Tensor
@@ -137,3 +138,19 @@ def test_the_private_api_scan_finds_attribute_reads_and_imports(tmp_path):
     assert _private_uses(source, tmp_path) == [
         "example.py:2: import torch._dynamo", "example.py:3: import torch.utils._pytree",
         "example.py:4: torch._C._len_torch_dispatch_stack", "example.py:8: torch._check"]
+
+
+def _internal_includes(path: pathlib.Path) -> list[str]:
+    """The torch-internal headers (``torch/csrc/...``) a C++ source includes directly."""
+    return [f"{path.name}: {header}"
+            for header in re.findall(r'^\s*#\s*include\s*[<"](torch/csrc/[^>"]+)[>"]',
+                                     path.read_text(encoding="utf-8"), re.MULTILINE)]
+
+
+def test_no_cpp_source_but_torch_internals_h_includes_torch_internals():
+    sources = sorted((ROOT / "kernels" / "cpp").glob("*.[ch]*"))
+    assert [use for path in sources if path.name != "torch_internals.h" for use in _internal_includes(path)] == []
+    # the scan sees an include: the one internal header, in the one place for it
+    assert _internal_includes(ROOT / "kernels" / "cpp" / "torch_internals.h") == [
+        "torch_internals.h: torch/csrc/autograd/graph_task.h"]
+
