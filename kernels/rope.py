@@ -220,6 +220,22 @@ class _Inductor:
 if HAS_TRITON:
 
     @triton.jit
+    def _rotate(x_first, x_second, cos_first, cos_second, sin_first, sin_second):
+        """A block of heads' pairs (x_first, x_second) rotated by their angles; the backward
+        rotates back by passing the sin tables transposed."""
+        return (x_first * cos_first[None, :] - x_second * sin_first[None, :],
+                x_second * cos_second[None, :] + x_first * sin_second[None, :])
+
+    @triton.jit
+    def _head_block(head, n_heads, X, x_position, x_head_stride, OUT, out_position, out_head_stride, pair_mask):
+        """A block of heads of one position: which exist, where they are read and written,
+        and the mask of their rotated pairs."""
+        head_mask = head < n_heads
+        x_heads = X + x_position + head[:, None] * x_head_stride
+        out_heads = OUT + out_position + head[:, None] * out_head_stride
+        return head_mask, x_heads, out_heads, head_mask[:, None] & pair_mask[None, :]
+
+    @triton.jit
     def _rotate_heads(X, OUT, x_position, out_position, n_heads, x_head_stride, out_head_stride,
                       rotary_dim, head_dim, first, second, pair_mask,
                       cos_first, cos_second, sin_first, sin_second,
@@ -230,21 +246,38 @@ if HAS_TRITON:
         heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
         pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
         for head_start in range(0, n_heads, HEAD_BLOCK):
-            head = head_start + heads
-            head_mask = head < n_heads
-            x_heads = X + x_position + head[:, None] * x_head_stride
-            out_heads = OUT + out_position + head[:, None] * out_head_stride
-            mask = head_mask[:, None] & pair_mask[None, :]
+            head_mask, x_heads, out_heads, mask = _head_block(head_start + heads, n_heads, X, x_position, x_head_stride,
+                                                              OUT, out_position, out_head_stride, pair_mask)
             x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
             x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
-            out_first = x_first * cos_first[None, :] - x_second * sin_first[None, :]
-            out_second = x_second * cos_second[None, :] + x_first * sin_second[None, :]
+            out_first, out_second = _rotate(x_first, x_second, cos_first, cos_second, sin_first, sin_second)
             tl.store(out_heads + first[None, :], out_first.to(OUT.dtype.element_ty), mask=mask)
             tl.store(out_heads + second[None, :], out_second.to(OUT.dtype.element_ty), mask=mask)
             if HAS_PASS:
                 pass_mask = head_mask[:, None] & (pass_cols < head_dim)[None, :]
                 passed = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0)
                 tl.store(out_heads + pass_cols[None, :], passed, mask=pass_mask)
+
+    @triton.jit
+    def _norm_weights(W, first, second, pair_mask, pass_cols, pass_col_mask, offset, ACC: tl.constexpr):
+        """QK-norm's weight (plus ``offset``) at a head's rotated pairs and its pass-through
+        columns, in ACC."""
+        w_first = tl.load(W + first, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_second = tl.load(W + second, mask=pair_mask, other=0.0).to(ACC) + offset
+        w_pass = tl.load(W + pass_cols, mask=pass_col_mask, other=0.0).to(ACC) + offset
+        return w_first, w_second, w_pass
+
+    @triton.jit
+    def _load_heads_and_rstd(x_heads, first, second, pass_cols, mask, pass_mask, head_dim, eps,
+                             ACC: tl.constexpr):
+        """A block of heads of one position, in ACC (rotated pairs and pass-through columns),
+        and each head's 1 / rms, RMSNorm's rstd over the whole head."""
+        x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
+        x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
+        x_pass = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
+        squares = tl.sum(x_first * x_first + x_second * x_second, axis=1) + tl.sum(x_pass * x_pass, axis=1)
+        rstd = (1.0 / tl.sqrt(squares / head_dim + eps))[:, None]
+        return x_first, x_second, x_pass, rstd
 
     @triton.jit
     def _normalize_rotate_heads(X, OUT, W, x_position, out_position, n_heads, x_head_stride, out_head_stride,
@@ -257,25 +290,16 @@ if HAS_TRITON:
         heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
         pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
         pass_col_mask = pass_cols < head_dim
-        w_first = tl.load(W + first, mask=pair_mask, other=0.0).to(ACC) + offset
-        w_second = tl.load(W + second, mask=pair_mask, other=0.0).to(ACC) + offset
-        w_pass = tl.load(W + pass_cols, mask=pass_col_mask, other=0.0).to(ACC) + offset
+        w_first, w_second, w_pass = _norm_weights(W, first, second, pair_mask, pass_cols, pass_col_mask, offset, ACC)
         for head_start in range(0, n_heads, HEAD_BLOCK):
-            head = head_start + heads
-            head_mask = head < n_heads
-            x_heads = X + x_position + head[:, None] * x_head_stride
-            out_heads = OUT + out_position + head[:, None] * out_head_stride
-            mask = head_mask[:, None] & pair_mask[None, :]
+            head_mask, x_heads, out_heads, mask = _head_block(head_start + heads, n_heads, X, x_position, x_head_stride,
+                                                              OUT, out_position, out_head_stride, pair_mask)
             pass_mask = head_mask[:, None] & pass_col_mask[None, :]
-            x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
-            x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
-            x_pass = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
-            squares = tl.sum(x_first * x_first + x_second * x_second, axis=1) + tl.sum(x_pass * x_pass, axis=1)
-            rstd = (1.0 / tl.sqrt(squares / head_dim + eps))[:, None]
+            x_first, x_second, x_pass, rstd = _load_heads_and_rstd(x_heads, first, second, pass_cols, mask, pass_mask,
+                                                                   head_dim, eps, ACC)
             y_first = x_first * rstd * w_first[None, :]
             y_second = x_second * rstd * w_second[None, :]
-            out_first = y_first * cos_first[None, :] - y_second * sin_first[None, :]
-            out_second = y_second * cos_second[None, :] + y_first * sin_second[None, :]
+            out_first, out_second = _rotate(y_first, y_second, cos_first, cos_second, sin_first, sin_second)
             tl.store(out_heads + first[None, :], out_first.to(OUT.dtype.element_ty), mask=mask)
             tl.store(out_heads + second[None, :], out_second.to(OUT.dtype.element_ty), mask=mask)
             y_pass = x_pass * rstd * w_pass[None, :]
@@ -294,9 +318,7 @@ if HAS_TRITON:
         heads = tl.arange(0, HEAD_BLOCK).to(tl.int64)
         pass_cols = rotary_dim + tl.arange(0, PASS_BLOCK)
         pass_col_mask = pass_cols < head_dim
-        w_first = tl.load(W + first, mask=pair_mask, other=0.0).to(ACC) + offset
-        w_second = tl.load(W + second, mask=pair_mask, other=0.0).to(ACC) + offset
-        w_pass = tl.load(W + pass_cols, mask=pass_col_mask, other=0.0).to(ACC) + offset
+        w_first, w_second, w_pass = _norm_weights(W, first, second, pair_mask, pass_cols, pass_col_mask, offset, ACC)
         dw_first = w_first * 0.0
         dw_second = w_second * 0.0
         dw_pass = w_pass * 0.0
@@ -310,14 +332,10 @@ if HAS_TRITON:
             pass_mask = head_mask[:, None] & pass_col_mask[None, :]
             d_first = tl.load(dout_heads + first[None, :], mask=mask, other=0.0).to(ACC)
             d_second = tl.load(dout_heads + second[None, :], mask=mask, other=0.0).to(ACC)
-            g_first = d_first * cos_first[None, :] - d_second * sin_first[None, :]
-            g_second = d_second * cos_second[None, :] + d_first * sin_second[None, :]
+            g_first, g_second = _rotate(d_first, d_second, cos_first, cos_second, sin_first, sin_second)
             g_pass = tl.load(dout_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
-            x_first = tl.load(x_heads + first[None, :], mask=mask, other=0.0).to(ACC)
-            x_second = tl.load(x_heads + second[None, :], mask=mask, other=0.0).to(ACC)
-            x_pass = tl.load(x_heads + pass_cols[None, :], mask=pass_mask, other=0.0).to(ACC)
-            squares = tl.sum(x_first * x_first + x_second * x_second, axis=1) + tl.sum(x_pass * x_pass, axis=1)
-            rstd = (1.0 / tl.sqrt(squares / head_dim + eps))[:, None]
+            x_first, x_second, x_pass, rstd = _load_heads_and_rstd(x_heads, first, second, pass_cols, mask, pass_mask,
+                                                                   head_dim, eps, ACC)
             xh_first = x_first * rstd
             xh_second = x_second * rstd
             xh_pass = x_pass * rstd
