@@ -34,9 +34,10 @@ reproduces a bf16 block where expert outputs cancel: GEMMs in the input dtype wi
 accumulation, the gated activation op by op in the input dtype, each weighted expert output
 in the dtype of ``y * weight``, the k of a token summed in float32. The backward computes
 the activation's gradient in float32 (float64 for float64).
-Backends: ``cpp`` (kernels/cpp/moe.cpp: permutation and a loop over experts in C++
-calling ATen's GEMMs on each expert's slice, forward and backward one call each, autograd
-in C++), ``triton`` (grouped GEMM kernels that find their expert from the per-expert
+Backends: ``cpp`` (kernels/cpp/moe.cpp: a counting sort, then one pass per expert over its
+slice, gather, GEMM, activation and GEMM while the slice is in cache (ATen's GEMMs, the
+experts spread over threads), the un-permutation a gather by token; forward and backward
+one call each, autograd in C++), ``triton`` (grouped GEMM kernels that find their expert from the per-expert
 offsets, with no device-to-host synchronisation), ``inductor`` (``torch.compile`` of the
 math, each expert's slice size an unbacked symbolic size, so one graph serves every
 routing).
