@@ -26,9 +26,13 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def _counting(calls, name, seconds):
+    """A candidate that computes for ``seconds`` of this thread's CPU time (not a sleep:
+    on one thread a sample is timed by CPU time, in which waiting does not count)."""
     def run():
         calls[name] = calls.get(name, 0) + 1
-        time.sleep(seconds)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
     return run
 
 
@@ -51,6 +55,21 @@ def test_the_faster_candidate_is_chosen_once_and_remembered_on_disk(fresh_cache)
     measured_choice._known.clear()
     assert measured_choice.choose("demo", (64,), candidates, default="slow") == "fast"
     assert calls == {"slow": rounds, "fast": rounds}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_on_one_thread_waiting_is_not_counted_against_a_candidate(threads):
+    """On one thread a sample is timed by the thread's CPU time, so a candidate that merely
+    waits (as one preempted by another process on a loaded machine does) is not charged
+    for it; with more threads, by the wall clock, which counts what other threads do."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        faster = measured_choice.fastest_now({"waits": lambda: time.sleep(0.002),
+                                              "computes": _counting({}, "computes", 0.0005)})
+    finally:
+        torch.set_num_threads(previous)
+    assert faster == ("waits" if threads == 1 else "computes")
 
 
 def test_measuring_off_keeps_the_default_and_bad_values_are_refused(fresh_cache, monkeypatch):

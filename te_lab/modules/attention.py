@@ -37,8 +37,10 @@ from te_lab.kernels.linear import LINEAR
 from te_lab.kernels.rms_norm import RMS_NORM, rms_norm
 from te_lab.kernels.rope import ROPE, rope
 
+from . import direct
 from .base import FusedModule
-from .call_arguments import forward_signature, named_arguments
+from .call_arguments import ArgumentReader, forward_signature
+from .direct import direct_calls_allowed
 from .projection import linear_ops, project
 
 # Names model libraries give the KV cache argument (Hugging Face renamed it over releases).
@@ -70,10 +72,7 @@ class _FusedSelfAttention(FusedModule):
         self.scaling, self.is_causal, self.dropout_p = scaling, is_causal, dropout_p
         self.returns_tuple = returns_tuple
         self.layer_idx = getattr(original, "layer_idx", None)
-        self._signature = forward_signature(original.forward)
-
-    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        return named_arguments(self._signature, args, kwargs)
+        self._arguments = ArgumentReader(forward_signature(original.forward))
 
     def _call_original(self, args: tuple, kwargs: dict):
         self.original.training = self.training  # the children are shared and already in this mode
@@ -102,7 +101,7 @@ class _FusedSelfAttention(FusedModule):
         return cache is None or (self.layer_idx is not None and hasattr(cache, "update"))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, named: dict[str, Any], sinks: Optional[Tensor] = None,
-                softcap: Optional[float] = None) -> Tensor:
+                softcap: Optional[float] = None, runs_direct: bool = False) -> Tensor:
         """q/k/v [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]."""
         cache = self._cache(named)
         if cache is not None:
@@ -114,9 +113,13 @@ class _FusedSelfAttention(FusedModule):
         elif q.shape[-2] > 1:
             # Without a mask SDPA is causal (top-left aligned) and eager masks nothing.
             causal = self.is_causal and self._implementation() != "eager"
-        out = attention(q, k, v, causal=causal, mask=mask, scale=self.scaling,
-                        dropout_p=self.dropout_p if self.training else 0.0, sinks=sinks, softcap=softcap,
-                        backend=self.backend_for(ATTENTION) if self._attention_is_fused else "reference")
+        out = None
+        if runs_direct and self._attention_is_fused and sinks is None:
+            out = direct.attention(q, k, v, mask, causal, self.scaling)
+        if out is None:
+            out = attention(q, k, v, causal=causal, mask=mask, scale=self.scaling,
+                            dropout_p=self.dropout_p if self.training else 0.0, sinks=sinks, softcap=softcap,
+                            backend=self.backend_for(ATTENTION) if self._attention_is_fused else "reference")
         batch, _, seq, _ = q.shape
         return out.transpose(1, 2).reshape(batch, seq, -1)
 
@@ -124,9 +127,11 @@ class _FusedSelfAttention(FusedModule):
     def _attention_is_fused(self) -> bool:
         return self.fused_attention
 
-    def _project(self, name: str, x: Tensor) -> Tensor:
+    def _project(self, name: str, x: Tensor, runs_direct: bool = False) -> Tensor:
         # The projections' GEMMs join the fusion with the attention (not under only="rope").
         module = self._modules[name]
+        if runs_direct:
+            return direct.project(module, x, self.backend_for(LINEAR) if self.fused_attention else "reference")
         return project(module, x, self.backend_for(LINEAR)) if self.fused_attention else module(x)
 
     def _projection_ops(self, *names: str) -> tuple:
@@ -199,25 +204,26 @@ class FusedAttention(_FusedSelfAttention):
                                                (RMS_NORM, separate_norms)) if fused)
         return fused_ops + self._projection_ops(*self.input_names, self.o_name)
 
-    def _qkv(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, hidden_states: Tensor, runs_direct: bool) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as [batch, seq, heads * head_dim] (views of one product for a fused projection)."""
         if len(self.input_names) == 3:
-            return tuple(self._project(name, hidden_states) for name in self.input_names)
+            return tuple(self._project(name, hidden_states, runs_direct) for name in self.input_names)
         kv_width = self.num_kv_heads * self.head_dim
-        qkv = self._project(self.input_names[0], hidden_states)
+        qkv = self._project(self.input_names[0], hidden_states, runs_direct)
         return qkv.split((self.num_heads * self.head_dim, kv_width, kv_width), dim=-1)
 
-    def _norm(self, index: int, x: Tensor) -> Tensor:
+    def _norm(self, index: int, x: Tensor, runs_direct: bool) -> Tensor:
         if self.qk_norms is None:
             return x
         norm = self._modules[self.qk_norms[index]]
         if self.qk_rms_norms is None:
             return norm(x)
         eps, weight_offset = self.qk_rms_norms[index]
-        return rms_norm(x, norm._parameters["weight"], eps, weight_offset=weight_offset,
-                        backend=self.backend_for(RMS_NORM))
+        y = direct.rms_norm(x, norm._parameters["weight"], eps, weight_offset) if runs_direct else None
+        return y if y is not None else rms_norm(x, norm._parameters["weight"], eps, weight_offset=weight_offset,
+                                                backend=self.backend_for(RMS_NORM))
 
-    def _rotate(self, q: Tensor, k: Tensor, position_embeddings) -> tuple[Tensor, Tensor]:
+    def _rotate(self, q: Tensor, k: Tensor, position_embeddings, runs_direct: bool) -> tuple[Tensor, Tensor]:
         if self.rotary == "none":
             return q, k
         cos, sin = position_embeddings
@@ -231,8 +237,11 @@ class FusedAttention(_FusedSelfAttention):
             (eps, weight_offset), _ = self.qk_rms_norms
             q_weight, k_weight = (self._modules[name]._parameters["weight"] for name in self.qk_norms)
             norm = dict(q_norm_weight=q_weight, k_norm_weight=k_weight, norm_eps=eps, norm_weight_offset=weight_offset)
-        return rope(q, k, cos, sin, interleaved=self.rotary.startswith("interleaved"),
-                            backend=self.backend_for(ROPE) if self.fused_rope else "reference", **norm)
+        interleaved = self.rotary.startswith("interleaved")
+        rotated = direct.rope(q, k, cos, sin, interleaved, norm) if runs_direct and self.fused_rope else None
+        return rotated if rotated is not None else rope(
+            q, k, cos, sin, interleaved=interleaved, backend=self.backend_for(ROPE) if self.fused_rope else "reference",
+            **norm)
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
@@ -241,18 +250,20 @@ class FusedAttention(_FusedSelfAttention):
         if (self.rotary != "none" and position_embeddings is None) or not self._covers(named):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
-        q, k, v = self._qkv(hidden_states)
+        runs_direct = direct_calls_allowed(self)
+        q, k, v = self._qkv(hidden_states, runs_direct)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.qk_norm_scope == "projection":
-            q, k = self._norm(0, q), self._norm(1, k)
+            q, k = self._norm(0, q, runs_direct), self._norm(1, k, runs_direct)
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm_scope == "head" and not self._norms_in_rope:
-            q, k = self._norm(0, q), self._norm(1, k)
+            q, k = self._norm(0, q, runs_direct), self._norm(1, k, runs_direct)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        q, k = self._rotate(q, k, position_embeddings)
+        q, k = self._rotate(q, k, position_embeddings, runs_direct)
         sinks = None if self.sinks_name is None else self._parameters[self.sinks_name]
-        out = self._project(self.o_name, self._attend(q, k, v, named, sinks=sinks, softcap=self.softcap))
+        attended = self._attend(q, k, v, named, sinks=sinks, softcap=self.softcap, runs_direct=runs_direct)
+        out = self._project(self.o_name, attended, runs_direct)
         if self.output_dropout and self.training:
             out = F.dropout(out, self.output_dropout)
         return self._result(out)
@@ -287,9 +298,10 @@ class FusedQKVAttention(_FusedSelfAttention):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         width = self.num_heads * self.head_dim
-        q, k, v = self._project(self.qkv_name, hidden_states).split(width, dim=-1)
+        runs_direct = direct_calls_allowed(self)
+        q, k, v = self._project(self.qkv_name, hidden_states, runs_direct).split(width, dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = self._project(self.out_name, self._attend(q, k, v, named))
+        out = self._project(self.out_name, self._attend(q, k, v, named, runs_direct=runs_direct), runs_direct)
         if self.resid_dropout_name is not None:
             out = self._modules[self.resid_dropout_name](out)
         return self._result(out)

@@ -23,9 +23,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from te_lab.kernels import measured_choice, registry
+from te_lab.kernels import measured_choice
 from te_lab.kernels.registry import FusedOp, describe_backend
-from te_lab.kernels.torch_internals import dispatch_modes_active, function_modes_active
+
+from .direct import direct_calls_allowed
 
 # ((twin class, its description, its parameters' shapes), dtype, rows class) -> whether such
 # a call runs the original: measured once per process (the original's code is not te_lab's to cache).
@@ -75,10 +76,9 @@ class FusedModule(nn.Module):
 
     def _steps_aside(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call runs the original: only without gradients, with every op
-        choosing automatically, outside torch.compile and dispatch or function modes."""
-        if (torch.is_grad_enabled() or self.backend is not None or "pinned_backends" in self.__dict__
-                or registry.backends_forced() or torch.compiler.is_compiling()
-                or dispatch_modes_active() or function_modes_active()):
+        choosing automatically, outside torch.compile, autocast and dispatch or function
+        modes (where the twin's ops may also run their kernels directly)."""
+        if "pinned_backends" in self.__dict__ or not direct_calls_allowed(self):
             return False
         x = args[0] if args else next(iter(kwargs.values()), None)
         if not isinstance(x, Tensor) or x.dim() == 0 or x.device.type != "cpu":

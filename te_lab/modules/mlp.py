@@ -24,7 +24,9 @@ from te_lab.kernels.bias_act import BIAS_ACT, bias_act, linear_act
 from te_lab.kernels.glu import GLU, glu
 from te_lab.kernels.linear import LINEAR
 
+from . import direct
 from .base import FusedModule
+from .direct import direct_calls_allowed
 from .linear_like import has_linear_weight, linear_weight
 from .projection import linear_ops, project
 
@@ -74,10 +76,14 @@ class FusedGatedMLP(FusedModule):
 
     def fused_forward(self, x: Tensor) -> Tensor:
         backend = self.backend_for(LINEAR)
-        gate = project(self._modules[self.gate_name], x, backend)
-        up = None if self.up_name is None else project(self._modules[self.up_name], x, backend)
-        h = project(self._modules[self.down_name], glu(gate, up, self.activation, backend=self.backend_for(GLU)),
-                    backend)
+        runs_direct = direct_calls_allowed(self)
+        projected = direct.project if runs_direct else project
+        gate = projected(self._modules[self.gate_name], x, backend)
+        up = None if self.up_name is None else projected(self._modules[self.up_name], x, backend)
+        h = direct.glu(gate, up, self.activation) if runs_direct else None
+        if h is None:
+            h = glu(gate, up, self.activation, backend=self.backend_for(GLU))
+        h = projected(self._modules[self.down_name], h, backend)
         if self.dropout_name is not None:
             h = self._modules[self.dropout_name](h)
         return h
