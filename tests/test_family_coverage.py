@@ -79,8 +79,6 @@ KNOWN_LIMITS = {
     "llama4_text": {
         "*.self_attn": r"qk_norm \(one weightless L2 norm for q and k\) follows a rotation by complex frequencies|"
                        r"no-RoPE layer scales q by a position-dependent temperature \(attn_temperature_tuning\)",
-        # Its router returns (scores, logits), not the (logits, weights, indices) the MoE twin calls.
-        "*.feed_forward": r"router is not one the fused block can call",
     },
 }
 # Families whose attention is recognized but not fused yet (their rows say why).

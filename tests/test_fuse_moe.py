@@ -1,5 +1,5 @@
-"""The `moe` rule on the MoE families of transformers: Mixtral, Qwen3-MoE, OLMoE, gpt-oss and
-DeepSeek-V3, each a tiny model built from its config (2 layers, a few experts) with
+"""The `moe` rule on the MoE families of transformers: Mixtral, Qwen3-MoE, OLMoE, gpt-oss,
+DeepSeek-V3 and Llama 4, each a tiny model built from its config (2 layers, a few experts) with
 activations at a real checkpoint's scale (tests/real_like.py). Every MoE block is fused,
 the whole model's logits and every gradient stay within tolerance, the router's logits
 and the auxiliary load-balancing loss are unchanged, the expert load is counted, and
@@ -33,6 +33,10 @@ FAMILIES = {
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                         topk_group=1, first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=None,
                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    # A router returning (sigmoid top-k scores, logits), the scores scaling each expert's
+    # input; a shared expert; the block returns (out [tokens, hidden], router logits).
+    "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                        intermediate_size_mlp=128, pad_token_id=0, bos_token_id=1, eos_token_id=VOCAB - 1),
 }
 # Families whose causal LM adds the router's auxiliary loss under output_router_logits=True.
 AUX_LOSS = ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"]
@@ -231,3 +235,32 @@ def test_bf16_models_and_autocast_regions_fuse_every_moe_block(arch):
             assert {row.status for row in report.rows} == {"fused"}, str(report)
             out, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
         torch.testing.assert_close(out, expected, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_scores_scale_each_experts_input_and_the_block_returns_the_router_logits(top_k):
+    model, reference, report, _ = fused_pair("llama4_text", num_experts_per_tok=top_k)
+    blocks = moe_blocks(reference)
+    rows = {row.path: row for row in report.rows}
+    x = torch.randn(2, 5, COMMON["hidden_size"], generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for path, original in blocks.items():
+        assert "scores scale the inputs, returns router logits" in rows[path].variant
+        twin = model.get_submodule(path)
+        assert (twin.router_output, twin.top_k, twin.scales_input, twin.flat_output) == ("dense_scores", top_k, True,
+                                                                                          True)
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        (out, logits), (expected, expected_logits) = twin(inputs[0]), original(inputs[1])
+        assert out.shape == expected.shape == (10, COMMON["hidden_size"])
+        assert torch.equal(logits, expected_logits)
+        assert_normwise(out, expected, path)
+        # Scores well below 1: scaling the experts' outputs instead would be another function.
+        with torch.no_grad():
+            scores = original.router(x.reshape(10, -1))[1].topk(top_k, dim=-1).values.sigmoid()
+        assert float(scores.min()) < 0.9
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        names = [name for name, _ in original.named_parameters()]
+        assert names == [name for name, _ in twin.named_parameters()]
+        grads = [torch.autograd.grad((y * upstream).sum(), [i, *module.parameters()]) for y, i, module in
+                 ((out, inputs[0], twin), (expected, inputs[1], original))]
+        for name, got, want in zip(["x", *names], *grads):
+            assert_normwise(got, want, f"{path}: grad of {name}", rtol=1e-4)
