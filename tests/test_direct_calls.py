@@ -121,3 +121,17 @@ def test_the_argument_reader_reads_calls_as_the_signature_binds_them():
 
     with pytest.raises(TypeError):
         ArgumentReader(inspect.signature(strict))((1,), {"z": 2})
+
+
+@pytest.mark.parametrize("backend", ["cpp", "inductor", "reference"])
+def test_a_direct_rms_norm_gives_the_public_ops_bits_on_each_backend_it_runs(backend, monkeypatch):
+    from te_lab.kernels import rms_norm
+    from te_lab.modules import direct
+
+    monkeypatch.setattr(direct, "select_measured_backend", lambda *args, **kwargs: backend)
+    x = torch.randn(2, 1, 96, generator=torch.Generator().manual_seed(0)) * 1e3
+    weight = torch.rand(96, generator=torch.Generator().manual_seed(1)) + 0.5
+    with torch.no_grad():
+        ours = direct.rms_norm(x, weight, 1e-6, 1.0)
+        public = rms_norm(x, weight, 1e-6, weight_offset=1.0, backend=backend)
+    assert ours.shape == x.shape and torch.equal(ours, public)

@@ -10,7 +10,8 @@ what those layers are for (:func:`direct_calls_allowed`: no gradients, eval mode
 op choosing automatically, outside torch.compile, autocast and dispatch or function
 modes) asks the registry exactly what the public op would ask, and runs the chosen
 backend's forward itself where that is one call (``cpp``: the op's C++ overload;
-``reference``: the plain math); any other backend goes through the public op. Each
+``reference``: the plain math; for ``rms_norm``, ``inductor``'s compiled kernel); any
+other backend goes through the public op. Each
 function returns None where it does not run the call itself.
 """
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from te_lab.kernels import registry
 from te_lab.kernels.attention import ATTENTION
 from te_lab.kernels.glu import GLU, glu_reference
+from te_lab.kernels.layout import as_rows, shaped_like
 from te_lab.kernels.linear import runs_on_onednn
 from te_lab.kernels.registry import select_backend, select_measured_backend
 from te_lab.kernels.rms_norm import RMS_NORM, rms_norm_reference
@@ -60,11 +62,16 @@ def project(module: nn.Module, x: Tensor, pinned: Optional[str]) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float) -> Optional[Tensor]:
-    """``te_lab.kernels.rms_norm(x, weight, eps, weight_offset=...)`` on ``cpp`` or ``reference``."""
+    """``te_lab.kernels.rms_norm(x, weight, eps, weight_offset=...)`` on ``cpp``, ``inductor``
+    (its compiled row kernel, one call: at one row it measures as fast as ``cpp``) or
+    ``reference``."""
     n = x.shape[-1]
     chosen = select_measured_backend(RMS_NORM, x.device, None, x.dtype, (x.numel() // max(n, 1), n))
     if chosen == "cpp":
         return RMS_NORM.implementations["cpp"](x, None, weight, float(eps), float(weight_offset))[0]
+    if chosen == "inductor":
+        y = RMS_NORM.implementations["inductor"].forward(as_rows(x), None, weight, float(eps), float(weight_offset))[0]
+        return shaped_like(y, x)
     if chosen == "reference":
         return rms_norm_reference(x, weight, eps, weight_offset=weight_offset)
     return None
