@@ -68,7 +68,7 @@ def test_the_direct_and_the_dispatched_calls_compute_the_same_gradients():
     x, weight, bias = _inputs()
     direct = torch.autograd.grad(layer_norm(x, weight, bias, backend="native").sum(), (x, weight, bias))
     dispatched = torch.autograd.grad(
-        torch.ops.te_lab.layer_norm(x, None, weight, bias, 1e-5, "native")[0].sum(), (x, weight, bias))
+        torch.ops.te_lab.layer_norm(x, None, weight, bias, 1e-5, 0.0, "native")[0].sum(), (x, weight, bias))
     for a, b in zip(direct, dispatched):
         torch.testing.assert_close(a, b)
 
