@@ -40,7 +40,6 @@ from te_lab.kernels.rope import ROPE, rope
 from . import direct
 from .base import FusedModule
 from .call_arguments import ArgumentReader, forward_signature
-from .direct import direct_calls_allowed
 from .projection import linear_ops, project
 
 # Names model libraries give the KV cache argument (Hugging Face renamed it over releases).
@@ -250,7 +249,7 @@ class FusedAttention(_FusedSelfAttention):
         if (self.rotary != "none" and position_embeddings is None) or not self._covers(named):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
-        runs_direct = direct_calls_allowed(self)
+        runs_direct = direct.direct_calls_allowed(self)
         q, k, v = self._qkv(hidden_states, runs_direct)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
@@ -298,7 +297,7 @@ class FusedQKVAttention(_FusedSelfAttention):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         width = self.num_heads * self.head_dim
-        runs_direct = direct_calls_allowed(self)
+        runs_direct = direct.direct_calls_allowed(self)
         q, k, v = self._project(self.qkv_name, hidden_states, runs_direct).split(width, dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = self._project(self.out_name, self._attend(q, k, v, named, runs_direct=runs_direct), runs_direct)

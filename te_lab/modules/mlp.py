@@ -26,7 +26,6 @@ from te_lab.kernels.linear import LINEAR
 
 from . import direct
 from .base import FusedModule
-from .direct import direct_calls_allowed
 from .linear_like import has_linear_weight, linear_weight
 from .projection import linear_ops, project
 
@@ -76,7 +75,7 @@ class FusedGatedMLP(FusedModule):
 
     def fused_forward(self, x: Tensor) -> Tensor:
         backend = self.backend_for(LINEAR)
-        runs_direct = direct_calls_allowed(self)
+        runs_direct = direct.direct_calls_allowed(self)
         projected = direct.project if runs_direct else project
         gate = projected(self._modules[self.gate_name], x, backend)
         up = None if self.up_name is None else projected(self._modules[self.up_name], x, backend)

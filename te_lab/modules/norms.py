@@ -15,7 +15,6 @@ from te_lab.kernels.rms_norm import AUTOCAST as RMS_NORM_AUTOCAST, RMS_NORM, rms
 
 from . import direct
 from .base import FusedModule
-from .direct import direct_calls_allowed
 
 
 def _epsilon(eps: Optional[float], x: Tensor) -> float:
@@ -41,7 +40,7 @@ class FusedRMSNorm(FusedModule):
     def fused_forward(self, x: Tensor) -> Tensor:
         weight = self._parameters.get("weight")
         eps = _epsilon(self.eps, x)
-        if direct_calls_allowed(self):
+        if direct.direct_calls_allowed(self):
             y = direct.rms_norm(x, weight, eps, self.weight_offset)
             if y is not None:
                 return y
