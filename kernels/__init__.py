@@ -6,19 +6,31 @@ the names torch.profiler shows). Importing this package registers them.
 """
 
 
-import sys
-import types
-
 if __name__ != "te_lab.kernels":
     # This folder was imported as a top-level "kernels": a source checkout's root is on
-    # sys.path (`python -m pytest`, a shell or notebook started there). transformers
-    # probes for the Hugging Face Hub package of that name by importing it; running this
+    # sys.path (`python -m pytest`, a shell or notebook started there). Running this
     # package a second time would re-register te_lab's custom ops and destroy the live
-    # registrations. Stand aside: an empty module without __file__ or __version__,
-    # which transformers reads as "not installed".
-    stand_in = types.ModuleType(__name__, "not te_lab.kernels: import te_lab.kernels instead")
-    stand_in.__spec__ = __spec__  # importlib.util.find_spec needs one
-    sys.modules[__name__] = stand_in
+    # registrations, so it never runs here. transformers (>= 5.25 depends on it) imports
+    # the Hugging Face Hub package of that name: where one is installed elsewhere on
+    # sys.path, it takes this module's place; otherwise an empty module without __file__
+    # stands in, which transformers reads as "not installed".
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _checkout]
+    _installed = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _installed is not None and _installed.loader is not None:
+        _module = importlib.util.module_from_spec(_installed)
+        sys.modules[__name__] = _module  # before it runs: its own `from kernels.x import` finds it
+        _installed.loader.exec_module(_module)
+    else:
+        _stand_in = types.ModuleType(__name__, "not te_lab.kernels: import te_lab.kernels instead")
+        _stand_in.__spec__ = __spec__  # importlib.util.find_spec needs one
+        sys.modules[__name__] = _stand_in
 else:
     from .adamw import FusedAdamW, adamw_reference_step
     from .attention import attention, attention_reference

@@ -11,6 +11,7 @@ import copy
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -446,22 +447,33 @@ def test_bf16_llama_fuses_and_stays_within_bf16_tolerance():
 
 def test_transformers_does_not_load_a_second_copy_of_te_lab_kernels():
     code = (
-        "import importlib, sys, torch, te_lab, transformers\n"
+        "import importlib, os, sys, torch, te_lab, transformers\n"
         "rms_norm = importlib.import_module('te_lab.kernels.rms_norm')\n"
         "library = importlib.import_module('te_lab.kernels.custom_ops')._LIBRARY\n"
         "transformers.LlamaConfig\n"
         "from transformers.utils import is_kernels_available\n"
-        "print(sorted(name for name in sys.modules if name.startswith('kernels.')))\n"
+        "checkout_kernels = os.path.join(sys.argv[1], 'kernels')\n"
+        "print(sorted(name for name, module in list(sys.modules.items()) if name.split('.')[0] == 'kernels'\n"
+        "             and (getattr(module, '__file__', None) or '').startswith(checkout_kernels)))\n"
         "print(getattr(sys.modules.get('kernels'), '__file__', None))\n"
         "print(importlib.import_module('te_lab.kernels.custom_ops')._LIBRARY is library\n"
         "      and torch._C._dispatch_has_kernel_for_dispatch_key('te_lab::rms_norm', 'CompositeExplicitAutograd'),\n"
         "      is_kernels_available())\n")
     environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
-    # `python -c` puts the working directory first on sys.path, as `python -m pytest` does.
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPOSITORY, env=environment, check=False,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    submodules, stand_in_file, verdicts = result.stdout.strip().splitlines()[-3:]
-    assert submodules == "[]"  # no op file ran a second time
-    assert stand_in_file == "None"  # `kernels` stood aside as an empty module
-    assert verdicts == "True False"  # te_lab's registration kept; transformers sees no Hub kernels
+
+    def run_from(directory):
+        # `python -c` puts the working directory first on sys.path, as `python -m pytest` does.
+        result = subprocess.run([sys.executable, "-c", code, str(REPOSITORY)], cwd=directory, env=environment,
+                                check=False, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-3:]
+
+    submodules, kernels_file, verdicts = run_from(REPOSITORY)
+    _, elsewhere_file, elsewhere_verdicts = run_from(tempfile.gettempdir())
+    assert submodules == "[]"  # no op file of the checkout ran as a top-level `kernels`
+    # `kernels` is what it is outside the checkout: the Hub package where one is installed
+    # (transformers >= 5.25 depends on it), else an empty stand-in without __file__
+    assert kernels_file == elsewhere_file
+    assert kernels_file == "None" or not kernels_file.startswith(str(REPOSITORY / "kernels"))
+    assert verdicts == elsewhere_verdicts  # transformers judges the Hub package as it does elsewhere
+    assert verdicts.split()[0] == "True"  # te_lab's registration kept
