@@ -1,5 +1,5 @@
-"""te_lab.open_trace on real GPU traces (tests/data/gpu-traces: A100 and MI250 traces from
-Holistic Trace Analysis' test data), checked against the raw JSON and against HTA's own
+"""te_lab.open_trace on real GPU traces (tests/data/gpu-traces: A100, MI250, V100 and multi-GPU
+traces from Holistic Trace Analysis' test data), checked against the raw JSON and against HTA's own
 temporal breakdown; the same activities through torch's Chrome-trace export give what the
 live path gives; te_lab.profile(trace_dir=...) writes traces open_trace reads."""
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import te_lab
-from te_lab.profiler import device_kernels as device_kernels_module
+from te_lab.profiler import device_kernels as device_kernels_module, gpu_trace
 from te_lab.profiler.device_kernels import busy_ns, device_figures
-from te_lab.profiler.kineto import file_activities, live_activities
-from te_lab.profiler.temporal_breakdown import MODE as HTA_MODE, counted_activities
+from te_lab.profiler.kineto import file_activities, has_fractional_timestamps, live_activities
+from te_lab.profiler.temporal_breakdown import MODE as HTA_MODE, counted_activities, temporal_breakdown
 
 DATA = pathlib.Path(__file__).parent / "data" / "gpu-traces"
 FIXTURES = ("a100-alexnet-train", "a100-triton-kernel", "a100-multi-stream-event-sync", "mi250-rocm-train")
@@ -114,8 +114,9 @@ def test_the_rocm_trace_has_per_step_figures_and_no_guessed_occupancy():
     assert {e.phase for e in trace.timeline} == {"forward", "backward", "optimizer"}
 
 
-# Every trace in tests/data/gpu-traces, the multi-GPU rank without deviceProperties included.
-ALL_TRACES = FIXTURES + ("hta-sampled-rank0",)
+# Every trace in tests/data/gpu-traces: the multi-GPU rank without deviceProperties, and a
+# nanosecond-resolution V100 trace, whose times HTA rounds to whole µs, included.
+ALL_TRACES = FIXTURES + ("hta-sampled-rank0", "v100-ns-resolution")
 
 
 @pytest.mark.parametrize("name", ALL_TRACES)
@@ -130,6 +131,27 @@ def test_the_hta_figures_equal_holistic_trace_analysis_temporal_breakdown(name, 
         value = trace.figure(f"{figure} (HTA's definition)", HTA_MODE)
         assert 100 * value == pytest.approx(breakdown[column], abs=0.5), (name, figure)
     assert "HTA's definition" in trace.summary()
+
+
+def test_a_nanosecond_trace_is_read_as_hta_reads_it_in_whole_microseconds():
+    """HTA rounds a trace with fractional µs inward (start up, end down) before it merges;
+    a trace of whole µs it reads as written. Exact ns (a file's µs times 1e3 in float64 are
+    off by up to 128 ns at epoch timestamps) decide which whole µs an event keeps."""
+    document = gpu_trace.read_trace_json(DATA / "v100-ns-resolution.json.gz")
+    assert has_fractional_timestamps(document)
+    assert not has_fractional_timestamps(gpu_trace.read_trace_json(DATA / "hta-sampled-rank0.json.gz"))
+    # 1712195495505583.000 µs: 1e3 x the float is 1712195495505583104 ns, the exact ns end in 000
+    assert file_activities({"traceEvents": [{"ph": "X", "ts": 1712195495505583.0, "dur": 4.5}]})[0].start_ns \
+        == 1712195495505583000
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+              for name, ts, dur in (("gemm", 10.4, 2.2), ("add", 12.2, 0.5), ("gemm", 20.0, 3.0))]
+    activities = file_activities({"traceEvents": events})
+    # rounded: [11, 12], then [13, 12] (the sub-µs kernel, negative: it starts after the
+    # running end, so HTA counts it as -1 µs), then [20, 23]: busy 1 - 1 + 3 of the span
+    # from 11 to 23; unrounded: [10.4, 12.7] and [20, 23], 5.3 of 12.6 µs
+    rounded = temporal_breakdown(activities, rounded=True)
+    assert (rounded.span_ns, rounded.idle) == (12_000, pytest.approx(9 / 12))
+    assert temporal_breakdown(activities).idle == pytest.approx(1 - 5.3 / 12.6)
 
 
 def test_te_labs_own_device_busy_is_labelled_and_differs_from_hta_by_the_last_step():

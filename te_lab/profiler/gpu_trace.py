@@ -33,7 +33,7 @@ from typing import Optional
 
 from .attribution import BACKWARD_PREFIX, HostOp, LaunchIndex
 from .device_kernels import DeviceKernel, device_figures, device_kernels
-from .kineto import HOST_OP_KINDS, Activity, file_activities
+from .kineto import HOST_OP_KINDS, Activity, file_activities, has_fractional_timestamps
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Figure, TimelineEvent
 from .temporal_breakdown import breakdown_figures, temporal_breakdown
@@ -151,7 +151,7 @@ def open_trace(path, *, multiprocessors: Optional[int] = None) -> GpuTrace:
         trace.notes.append("the trace's deviceProperties give no numSms: SM efficiency is unknown (pass "
                            "multiprocessors=)")
     trace.figures = trace_figures(kernels, trace.steps, multiprocessors)
-    trace.figures += breakdown_figures(temporal_breakdown(activities))
+    trace.figures += breakdown_figures(temporal_breakdown(activities, has_fractional_timestamps(document)))
     trace.timeline = _timeline(kernels, activities)
     return trace
 

@@ -12,6 +12,12 @@ each worth about a point on a real multi-GPU trace:
   than -1), so CUDA's synchronisation events (``cuda_sync``: "Event Sync", "Stream
   Sync") count as device time, next to kernels, memcpys and memsets;
 - **the span**: from the first to the last of those events;
+- **whole microseconds**: where a file's timestamps are not all whole µs (its ``ts`` column
+  is not integral: nanosecond resolution, or an event without one), HTA rounds every event
+  inward, its start up and its end down (pytorch/pytorch#122425), so an event shorter than a
+  µs can come out empty or negative. It then merges the events by start, one interval per run
+  of events that start before the running maximum end, and counts each interval's end minus
+  start (a lone negative event counts negative there too);
 - **compute**: kernels that are not NCCL (``nccl...Kernel``), not memory (names that
   start with Memcpy, Memset or dma) and not synchronisation (names containing Memcpy,
   Memset or ending in Sync); non-compute is busy time minus compute time
@@ -20,11 +26,11 @@ each worth about a point on a real multi-GPU trace:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .device_kernels import union_ns
 from .kineto import Activity
 from .report import Figure
 
@@ -56,31 +62,54 @@ def is_compute(name: str) -> bool:
     return not (_COMMUNICATION.match(name) or _MEMORY.match(name) or _NOT_COMPUTE.match(name))
 
 
-def counted_activities(activities: list[Activity]) -> list[Activity]:
+def _times(activity: Activity, rounded: bool) -> tuple[int, int]:
+    """(start, end) as HTA reads them, in ns: rounded inward to whole µs where ``rounded``."""
+    if not rounded:
+        return activity.start_ns, activity.end_ns
+    start_us = activity.start_ns / 1000  # the float HTA reads (exact: kineto._ns)
+    return math.ceil(start_us) * 1000, math.floor(start_us + activity.duration_ns / 1000) * 1000
+
+
+def counted_activities(activities: list[Activity], rounded: bool = False) -> list[Activity]:
     """The stream events HTA counts: all of them, or with two or more ProfilerSteps those
     queued by a host call that started before the last step began."""
     on_streams = [a for a in activities if _stream(a) is not None]
-    step_starts = [a.start_ns for a in activities if _stream(a) is None and _STEP in a.name]
-    if len(set(step_starts)) < 2:
+    steps = [a for a in activities if _stream(a) is None and _STEP in a.name]
+    if len({a.name for a in steps}) < 2:
         return on_streams
-    last_start = max(step_starts)
+    last_start = max(_times(a, rounded)[0] for a in steps)
     queued_before = {a.correlation for a in activities
-                     if _stream(a) is None and a.start_ns < last_start and a.correlation}
+                     if _stream(a) is None and _times(a, rounded)[0] < last_start and a.correlation}
     return [a for a in on_streams if a.correlation in queued_before]
 
 
-def temporal_breakdown(activities: list[Activity]) -> Optional[TemporalBreakdown]:
-    """HTA's idle / compute / non-compute split (see the module doc); None without
-    stream events."""
-    counted = sorted(counted_activities(activities), key=lambda a: a.start_ns)
+def _merged(intervals: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """(summed length, first start, last end) of the intervals merged as HTA merges them."""
+    intervals = sorted(intervals)
+    total, start, end = 0, intervals[0][0], intervals[0][1]
+    first = start
+    for next_start, next_end in intervals[1:]:
+        if next_start > end:
+            total += end - start
+            start, end = next_start, next_end
+        else:
+            end = max(end, next_end)
+    return total + end - start, first, end
+
+
+def temporal_breakdown(activities: list[Activity], rounded: bool = False) -> Optional[TemporalBreakdown]:
+    """HTA's idle / compute / non-compute split (see the module doc), times rounded to
+    whole µs where ``rounded`` (:func:`te_lab.profiler.kineto.has_fractional_timestamps`);
+    None without stream events."""
+    counted = counted_activities(activities, rounded)
     if not counted:
         return None
-    start, end = counted[0].start_ns, max(a.end_ns for a in counted)
+    busy, start, end = _merged([_times(a, rounded) for a in counted])
     span = end - start
     if span <= 0:
         return None
-    busy = union_ns((a.start_ns, a.end_ns) for a in counted)
-    compute = union_ns((a.start_ns, a.end_ns) for a in counted if is_compute(a.name))
+    computing = [_times(a, rounded) for a in counted if is_compute(a.name)]
+    compute = _merged(computing)[0] if computing else 0
     return TemporalBreakdown((span - busy) / span, compute / span, (busy - compute) / span, span, len(counted))
 
 
