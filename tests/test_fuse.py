@@ -361,6 +361,39 @@ def test_an_mlp_with_an_activation_without_kernel_is_skipped_with_reason():
     assert rows["mlp"].status == "skipped" and "activation ReLU has no fused kernel" in rows["mlp"].reason
 
 
+class ResidualGeluMLP(nn.Module):
+    """Bloom's MLP layout: the block adds its residual inside the MLP's forward."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x, residual):
+        return self.fc2(self.act(self.fc1(x))) + residual
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(hidden), ResidualGeluMLP(hidden)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x), x)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_an_mlp_whose_forward_takes_more_than_its_input_is_skipped_with_the_arguments_named(verify):
+    block = ResidualBlock(16)
+    x = torch.randn(2, 5, 16)
+    expected = block(x)
+    report = te_lab.fuse(block, sample=x, verify=verify)
+    rows = {row.path: row for row in report.rows}
+    assert rows["norm"].status == "fused" and type(block.mlp) is ResidualGeluMLP
+    assert rows["mlp"].status == "skipped"
+    assert "requires `residual` beyond the input, which the fused FusedMLP does not take" in rows["mlp"].reason
+    assert_close(block(x), expected)
+
+
 def test_the_model_itself_cannot_be_replaced():
     norm = nn.LayerNorm(8)
     (row,) = te_lab.fuse(norm).rows

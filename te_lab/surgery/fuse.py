@@ -17,6 +17,7 @@ original module objects back and a second ``fuse`` leaves fused modules alone.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from typing import Any, Optional
@@ -153,6 +154,11 @@ class _Fuser:
             if not twin.kernel_names():
                 reasons.append("nothing of it is fused under the selected rules")
                 continue
+            untaken = [] if match.replaces_forward else _arguments_the_twin_cannot_take(module, twin)
+            if untaken:
+                reasons.append(f"its forward requires {', '.join(untaken)} beyond the input, which the fused "
+                               f"{type(twin).__name__} does not take")
+                continue
             unreachable = _hooks_the_twin_would_skip(candidate, twin, match)
             if unreachable:
                 reasons.append(f"has hooks inside that its fused twin would never fire: {', '.join(unreachable)} "
@@ -258,6 +264,25 @@ class _Fuser:
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"
             return ProbeResult(False, float("inf"), float("inf"), None, None,
                                f"probe raised {type(error).__name__}: {error}")
+
+
+def _arguments_the_twin_cannot_take(module: nn.Module, twin: Any) -> list[str]:
+    """The required arguments of the module's forward (after its first) that the twin's
+    ``fused_forward`` has no place for, e.g. Bloom's MLP, ``forward(hidden_states,
+    residual)``, which adds the residual itself; empty where either signature is unknown."""
+    try:
+        original = inspect.signature(module.forward).parameters.values()
+        fused = inspect.signature(twin.fused_forward)
+    except (TypeError, ValueError):
+        return []
+    positional = [p for p in original if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+    keywords = {p.name: None for p in original if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    try:
+        fused.bind(*(None for _ in positional), **keywords)
+        return []
+    except TypeError:
+        return [f"`{p.name}`" for p in positional[1:]] + [f"`{name}`" for name in keywords]
 
 
 def _hooks_the_twin_would_skip(candidate: Candidate, twin: Any, match: Match) -> list[str]:
