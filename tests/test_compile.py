@@ -97,3 +97,34 @@ def test_compiled_fused_llama_matches_eager_fused():
         for grad, expected in zip(grads, expected_grads):
             # Weight gradients are sums over every token; fp32 needs 1e-4 there (docs/design.md).
             assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def _te_lab_ops_traced(model, inputs) -> list[str]:
+    """The te_lab ops in the graphs torch.compile traces of ``model(**inputs)`` without gradients."""
+    traced = []
+
+    def backend(graph_module, example_inputs):
+        traced.extend(str(node.target) for node in graph_module.graph.nodes
+                      if node.op == "call_function" and str(node.target).startswith("te_lab."))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(**inputs)
+    return traced
+
+
+def test_a_compiled_decode_step_without_gradients_runs_the_original_math():
+    """Under torch.compile without gradients, a call of at most COMPILED_DECODE_ROWS rows (a
+    decode step) is the original's, which Inductor fuses itself; a prefill's keeps te_lab's ops."""
+    model, batch = _fused("llama-tiny")
+    model.eval()
+    prefill = {"input_ids": batch["input_ids"]}  # 2 x 16 = 32 rows
+    decode = {"input_ids": batch["input_ids"][:1, :1]}
+    assert _te_lab_ops_traced(model, prefill)
+    assert _te_lab_ops_traced(model, decode) == []
+    with torch.no_grad():
+        logits = torch.compile(model)(**decode).logits
+        with te_lab.unfused(model):
+            expected = model(**decode).logits
+    assert_close(logits, expected)

@@ -381,6 +381,40 @@ class ResidualBlock(nn.Module):
         return self.mlp(self.norm(x), x)
 
 
+class ResidualRMSNorm(nn.Module):
+    """LaRA's and Nemotron-H's layout: an RMSNorm whose forward may add a residual first."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, hidden_states, residual=None):
+        if residual is not None:
+            hidden_states = hidden_states + residual
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * hidden_states * torch.rsqrt(variance + 1e-6)
+
+
+class NormWithResidualBlock(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm, self.fc = ResidualRMSNorm(hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.norm(self.fc(x), x)
+
+
+def test_a_norm_called_with_an_argument_its_twin_does_not_take_is_skipped_with_the_argument_named():
+    block = NormWithResidualBlock(16)
+    x = torch.randn(2, 5, 16)
+    expected = block(x)
+    (row,) = te_lab.fuse(block, sample=x).rows
+    assert row.status == "skipped" and type(block.norm) is ResidualRMSNorm
+    assert row.reason.startswith("its forward takes `residual` beyond the input, which the fused FusedRMSNorm does "
+                                 "not take"), row.reason
+    assert_close(block(x), expected)
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_an_mlp_whose_forward_takes_more_than_its_input_is_skipped_with_the_arguments_named(verify):
     block = ResidualBlock(16)
@@ -390,7 +424,7 @@ def test_an_mlp_whose_forward_takes_more_than_its_input_is_skipped_with_the_argu
     rows = {row.path: row for row in report.rows}
     assert rows["norm"].status == "fused" and type(block.mlp) is ResidualGeluMLP
     assert rows["mlp"].status == "skipped"
-    assert "requires `residual` beyond the input, which the fused FusedMLP does not take" in rows["mlp"].reason
+    assert "takes `residual` beyond the input, which the fused FusedMLP does not take" in rows["mlp"].reason
     assert_close(block(x), expected)
 
 

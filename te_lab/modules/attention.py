@@ -71,7 +71,10 @@ class _FusedSelfAttention(FusedModule):
         self.scaling, self.is_causal, self.dropout_p = scaling, is_causal, dropout_p
         self.returns_tuple = returns_tuple
         self.layer_idx = getattr(original, "layer_idx", None)
-        self._arguments = ArgumentReader(forward_signature(original.forward))
+        signature = forward_signature(original.forward)
+        self._arguments = ArgumentReader(signature)
+        # Hugging Face's "hidden_states"; GPT-1's attention calls it "x"
+        self._input_name = next(iter(signature.parameters), "hidden_states")
 
     def _call_original(self, args: tuple, kwargs: dict):
         self.original.training = self.training  # the children are shared and already in this mode
@@ -244,9 +247,10 @@ class FusedAttention(_FusedSelfAttention):
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
-        hidden_states = named["hidden_states"]
+        hidden_states = named[self._input_name]
         position_embeddings = named.get("position_embeddings")
-        if (self.rotary != "none" and position_embeddings is None) or not self._covers(named):
+        if (self.rotary != "none" and position_embeddings is None) or not self._covers(named) \
+                or direct.compiled_decode(self, hidden_states):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         runs_direct = direct.direct_calls_allowed(self)
@@ -292,8 +296,8 @@ class FusedQKVAttention(_FusedSelfAttention):
 
     def forward(self, *args, **kwargs):
         named = self._arguments(args, kwargs)
-        hidden_states = named["hidden_states"]
-        if not self._covers(named):
+        hidden_states = named[self._input_name]
+        if not self._covers(named) or direct.compiled_decode(self, hidden_states):
             return self._call_original(args, kwargs)
         batch, seq, _ = hidden_states.shape
         width = self.num_heads * self.head_dim

@@ -13,7 +13,9 @@ without gradients (a decode step), the twin's fused forward and the original's a
 against each other once per class of the call (the rows of its first tensor, rounded up
 to a power of two, its dtype and the twin's structure) on that call's inputs, and the
 faster runs every such call from then on. At one row, what the fused ops cost around
-their kernels can exceed what they save; stepping aside then costs one lookup.
+their kernels can exceed what they save; stepping aside then costs one lookup. Under
+torch.compile, a decode step without gradients is the original's for every twin
+(:func:`te_lab.modules.direct.compiled_decode`): Inductor fuses the original's math itself.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import Tensor, nn
 from te_lab.kernels import measured_choice
 from te_lab.kernels.registry import FusedOp, describe_backend
 
-from .direct import direct_calls_allowed
+from .direct import compiled_decode, direct_calls_allowed
 
 # ((twin class, its description, its parameters' shapes), dtype, rows class) -> whether such
 # a call runs the original: measured once per process (the original's code is not te_lab's to cache).
@@ -68,6 +70,8 @@ class FusedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.measured_against_original and not self.training and self._steps_aside(args, kwargs):
+            return self.original.forward(*args, **kwargs)
+        if compiled_decode(self, args[0] if args else next(iter(kwargs.values()), None)):
             return self.original.forward(*args, **kwargs)
         return self.fused_forward(*args, **kwargs)
 

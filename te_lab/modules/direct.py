@@ -43,6 +43,22 @@ def direct_calls_allowed(twin: nn.Module) -> bool:
                 or dispatch_modes_active() or function_modes_active())
 
 
+#: Calls of at most this many rows (a decode step at batch 16 and below) that torch.compile
+#: traces without gradients are the original's: Inductor fuses that math across the whole
+#: layer itself, where te_lab's ops stand in its graph as calls it cannot look into (issue
+#: 28's generation benchmark, batch 1: fused under torch.compile decoded at 0.90x of
+#: torch.compile alone, while its prefill of 128 rows ran 1.13x faster).
+COMPILED_DECODE_ROWS = 16
+
+
+def compiled_decode(twin: nn.Module, x) -> bool:
+    """Whether ``twin``'s call is a decode step torch.compile traces without gradients
+    (:data:`COMPILED_DECODE_ROWS`), every op choosing automatically: then the original runs."""
+    return (torch.compiler.is_compiling() and not torch.is_grad_enabled() and not twin.training
+            and twin.backend is None and isinstance(x, Tensor) and x.dim() > 0
+            and x.numel() // max(x.shape[-1], 1) <= COMPILED_DECODE_ROWS and not registry.backends_forced())
+
+
 def _without_hooks(module: nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks)

@@ -89,10 +89,11 @@ def _head_dim(module: nn.Module, q_width: int) -> Optional[int]:
 
 
 def _missing_arguments(module: nn.Module, given: set) -> dict:
-    """``None`` for every parameter of the forward that has no default and is not in
-    ``given`` (Mistral's and Qwen2's ``attention_mask`` is required, yet ``None`` is what
-    the model passes under SDPA without padding)."""
-    parameters = forward_signature(module.forward).parameters.values()
+    """``None`` for every parameter of the forward after its first (the hidden states,
+    passed by position) that has no default and is not in ``given`` (Mistral's and Qwen2's
+    ``attention_mask`` is required, yet ``None`` is what the model passes under SDPA without
+    padding)."""
+    parameters = list(forward_signature(module.forward).parameters.values())[1:]
     return {p.name: None for p in parameters
             if p.default is inspect.Parameter.empty and p.name not in given
             and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
@@ -111,10 +112,27 @@ def _qk_norm_scope(module: nn.Module, names: tuple[str, str], head_dim: int, wid
     return None
 
 
+def _table_widths(module: nn.Module, head_dim: int) -> list[int]:
+    """The rotary table widths to try: a value per head dim (Hugging Face's convention) or
+    per rotary pair (gpt-oss), of the whole head or of its rotated part where the module or
+    its config names one (``rotary_ndims``, ``partial_rotary_factor``: StableLM, Persimmon)."""
+    config = getattr(module, "config", None)
+    rotated = [head_dim]
+    ndims = getattr(module, "rotary_ndims", None)
+    if isinstance(ndims, int) and 0 < ndims < head_dim:
+        rotated.append(ndims)
+    for owner in (module, config):
+        factor = getattr(owner, "partial_rotary_factor", None)
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < 1:
+            rotated.append(int(head_dim * factor))
+    widths = [width for rotated_dim in rotated for width in (rotated_dim, rotated_dim // 2)]
+    return [width for width in dict.fromkeys(widths) if width > 0]
+
+
 def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[int]:
-    """How wide the rotary tables the module takes are: a value per head dim (Hugging
-    Face's convention) or per rotary pair (gpt-oss), found by calling it."""
-    for width in (head_dim, head_dim // 2):
+    """How wide the rotary tables the module takes are (:func:`_table_widths`), found by
+    calling it."""
+    for width in _table_widths(module, head_dim):
         try:
             _returns_tuple(module, inputs(width))
         except Exception:  # noqa: BLE001 - the module refused tables this wide
@@ -177,6 +195,12 @@ def match_projections(module: nn.Module) -> MatchResult:
             or (q_width // head_dim) % (kv_width // head_dim) or (fused_qkv and qkv_width != q_width + 2 * kv_width)):
         return Skip("cannot tell its head layout from head_dim and the projection widths")
     num_heads, num_kv_heads = q_width // head_dim, kv_width // head_dim
+    if not fused_qkv:
+        q_out, v_out = (in_out_features(module._modules[name])[1] for name in (names[0], names[2]))
+        if q_out != q_width or v_out != kv_width:
+            return Skip(f"its {names[2]} gives {v_out} values and its {names[0]} {q_out} where {names[1]} gives "
+                        f"{kv_width} and {names[-1]} takes {q_width}: value heads of another width than the "
+                        f"query and key heads are not covered yet")
     scope = None if norms is None else _qk_norm_scope(module, norms, head_dim, (q_width, kv_width))
     if norms is not None and scope is None:
         return Skip(f"cannot tell what its q/k norms ({', '.join(norms)}) normalize over from their weights")
@@ -195,11 +219,12 @@ def match_projections(module: nn.Module) -> MatchResult:
     def inputs(batch: int, seq: int, table_width: int) -> ProbeInputs:
         kwargs = {"position_embeddings": rotary_tables(batch, seq, table_width, module)}
         return ProbeInputs((random_tensor((batch, seq, hidden), module),),
-                           kwargs | _missing_arguments(module, {"hidden_states", *kwargs}))
+                           kwargs | _missing_arguments(module, set(kwargs)))
 
     table_width = _table_width(module, lambda width: inputs(1, 2, width), head_dim)
     if table_width is None:
-        return Skip("takes no rotary tables of head_dim or head_dim / 2 values per position")
+        return Skip(f"takes no rotary tables of {' or '.join(map(str, _table_widths(module, head_dim)))} values per "
+                    f"position (head_dim {head_dim}, or a pair's, or its rotated part's)")
 
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
         return inputs(batch, seq, table_width)
@@ -251,7 +276,7 @@ def match_qkv_projection(module: nn.Module) -> MatchResult:
 
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
         return ProbeInputs((random_tensor((batch, seq, hidden), module),),
-                           _missing_arguments(module, {"hidden_states"}))
+                           _missing_arguments(module, set()))
 
     def build(options: BuildOptions) -> FusedQKVAttention:
         return FusedQKVAttention(

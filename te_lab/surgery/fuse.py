@@ -154,9 +154,10 @@ class _Fuser:
             if not twin.kernel_names():
                 reasons.append("nothing of it is fused under the selected rules")
                 continue
-            untaken = [] if match.replaces_forward else _arguments_the_twin_cannot_take(module, twin)
+            untaken = [] if match.replaces_forward else _arguments_the_twin_cannot_take(
+                module, twin, self.captured.get(candidate.path))
             if untaken:
-                reasons.append(f"its forward requires {', '.join(untaken)} beyond the input, which the fused "
+                reasons.append(f"its forward takes {', '.join(untaken)} beyond the input, which the fused "
                                f"{type(twin).__name__} does not take")
                 continue
             unreachable = _hooks_the_twin_would_skip(candidate, twin, match)
@@ -266,23 +267,36 @@ class _Fuser:
                                f"probe raised {type(error).__name__}: {error}")
 
 
-def _arguments_the_twin_cannot_take(module: nn.Module, twin: Any) -> list[str]:
-    """The required arguments of the module's forward (after its first) that the twin's
-    ``fused_forward`` has no place for, e.g. Bloom's MLP, ``forward(hidden_states,
-    residual)``, which adds the residual itself; empty where either signature is unknown."""
+def _arguments_the_twin_cannot_take(module: nn.Module, twin: Any, call: Optional[ProbeInputs]) -> list[str]:
+    """The arguments of the module's forward, after its first, that the twin's
+    ``fused_forward`` has no place for: those of the model's own ``call`` where the sample
+    captured one, else those the forward requires (e.g. Bloom's MLP, ``forward(hidden_states,
+    residual)``, which adds the residual itself); empty where either signature is unknown."""
     try:
-        original = inspect.signature(module.forward).parameters.values()
+        original = inspect.signature(module.forward)
         fused = inspect.signature(twin.fused_forward)
     except (TypeError, ValueError):
         return []
-    positional = [p for p in original if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                  and p.default is p.empty]
-    keywords = {p.name: None for p in original if p.kind is p.KEYWORD_ONLY and p.default is p.empty}
+    if call is None:
+        required = [p for p in original.parameters.values() if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        args = tuple(None for p in required if p.kind is not p.KEYWORD_ONLY)
+        call = ProbeInputs(args, {p.name: None for p in required if p.kind is p.KEYWORD_ONLY})
     try:
-        fused.bind(*(None for _ in positional), **keywords)
+        fused.bind(*call.args, **call.kwargs)
         return []
     except TypeError:
-        return [f"`{p.name}`" for p in positional[1:]] + [f"`{name}`" for name in keywords]
+        pass
+    try:
+        given = list(original.bind(*call.args, **call.kwargs).arguments.items())[1:]
+    except TypeError:
+        return []  # not a call the original takes either: the probe says what happens
+    names = []
+    for name, value in given:
+        kind = original.parameters[name].kind
+        names += list(value) if kind is inspect.Parameter.VAR_KEYWORD else \
+            [f"{len(value)} more positional"] if kind is inspect.Parameter.VAR_POSITIONAL else [name]
+    return [f"`{name}`" for name in names if name not in fused.parameters or name.endswith("positional")]
 
 
 def _hooks_the_twin_would_skip(candidate: Candidate, twin: Any, match: Match) -> list[str]:
