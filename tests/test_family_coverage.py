@@ -65,6 +65,10 @@ FAMILIES = {
     # A RoPE layer with qk_norm, a no-RoPE layer with temperature tuning and an MoE block.
     "llama4_text": dict(num_local_experts=4, interleave_moe_layer_step=2, intermediate_size_mlp=128,
                         no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Partial rotary: tables of the rotated quarter of each head (partial_rotary_factor 0.25).
+    "stablelm": {},
+    # GPT-1: its attention's input is called x and it returns [output].
+    "openai-gpt": {},
     # ReLU-squared MLPs (hidden_act "relu2").
     "arcee": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "nemotron": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),

@@ -63,13 +63,14 @@ QK_NORM_SCOPES = ("head", "projection")
 
 class _FusedSelfAttention(FusedModule):
     def __init__(self, original: nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 is_causal: bool, dropout_p: float, returns_tuple: bool, fused_attention: bool = True,
+                 is_causal: bool, dropout_p: float, returns: Optional[tuple[type, int]],
+                 fused_attention: bool = True,
                  backend: Optional[str] = None):
         super().__init__(original, backend)
         self.fused_attention = fused_attention
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scaling, self.is_causal, self.dropout_p = scaling, is_causal, dropout_p
-        self.returns_tuple = returns_tuple
+        self.returns = returns  # (tuple or list, length) of the original's output, None: bare
         self.layer_idx = getattr(original, "layer_idx", None)
         signature = forward_signature(original.forward)
         self._arguments = ArgumentReader(signature)
@@ -140,7 +141,10 @@ class _FusedSelfAttention(FusedModule):
         return linear_ops(*(self._modules[name] for name in names)) if self.fused_attention else ()
 
     def _result(self, out: Tensor):
-        return (out, None) if self.returns_tuple else out
+        if self.returns is None:
+            return out
+        container, length = self.returns
+        return container([out] + [None] * (length - 1))  # no attention weights: SDPA forms none
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

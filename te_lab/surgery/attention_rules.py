@@ -58,17 +58,19 @@ SINK_NAMES = ("sinks",)
 DROPOUT_NAMES = ("attn_dropout", "attention_dropout")
 
 
-def _returns_tuple(module: nn.Module, inputs: ProbeInputs) -> bool:
-    """Hugging Face attention returns ``(output, weights)``, plain model code the output."""
+def _returned_container(module: nn.Module, inputs: ProbeInputs) -> Optional[tuple[type, int]]:
+    """How the module returns its output: Hugging Face attention as ``(output, weights)``,
+    GPT-1's as ``[output]``, plain model code bare (None)."""
     with quiet_state([module], next(module.parameters()).device), torch.no_grad():
-        return isinstance(call_with(module, inputs), tuple)
+        returned = call_with(module, inputs)
+    return (type(returned), len(returned)) if isinstance(returned, (tuple, list)) else None
 
 
 def _attention_output(output) -> list:
     """What a probe compares: the attention output. Hugging Face modules return
     ``(output, weights)``; decoder layers discard the weights, which a fused attention
     never forms (it returns ``None`` in their place)."""
-    return [output[0] if isinstance(output, tuple) else output]
+    return [output[0] if isinstance(output, (tuple, list)) else output]
 
 
 def _common_options(module: nn.Module, head_dim: int, num_heads: int, num_kv_heads: int, scaling: float,
@@ -77,7 +79,7 @@ def _common_options(module: nn.Module, head_dim: int, num_heads: int, num_kv_hea
     dropout_p = dropout.p if isinstance(dropout, nn.Dropout) else float_attribute(module, "attention_dropout", 0.0)
     return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scaling=scaling,
                 is_causal=bool(getattr(module, "is_causal", True)), dropout_p=dropout_p,
-                returns_tuple=_returns_tuple(module, example))
+                returns=_returned_container(module, example))
 
 
 def _head_dim(module: nn.Module, q_width: int) -> Optional[int]:
@@ -134,7 +136,7 @@ def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[int]:
     calling it."""
     for width in _table_widths(module, head_dim):
         try:
-            _returns_tuple(module, inputs(width))
+            _returned_container(module, inputs(width))
         except Exception:  # noqa: BLE001 - the module refused tables this wide
             continue
         return width
