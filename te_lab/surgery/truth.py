@@ -14,15 +14,13 @@ changing a Parameter's dtype through ``.data``, even and back, drops the autogra
 accumulates its gradient, and with it the hooks DDP registered there, so DDP would stop
 all-reducing that gradient. Through a ``TorchFunctionMode`` it also keeps casts that the
 module's own code makes to a lower precision (Hugging Face's norms compute in ``.float()``,
-eager attention's softmax in ``dtype=torch.float32``) in float64, and runs
-``torch._grouped_mm`` (Hugging Face's MoE experts), which takes no float64, as one matmul per
-group. Autocast is off inside.
+eager attention's softmax in ``dtype=torch.float32``) in float64. Autocast is off inside.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +28,6 @@ from torch.overrides import TorchFunctionMode
 
 _LOWER_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _DOWNCASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
-_GROUPED_MM = getattr(torch, "_grouped_mm", None)  # torch >= 2.8
 
 
 def _float64(value: Any) -> Any:
@@ -39,32 +36,11 @@ def _float64(value: Any) -> Any:
     return value
 
 
-def _grouped_mm_by_group(mat_a: Tensor, mat_b: Tensor, offs: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                         out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``torch._grouped_mm`` as a matmul per group, for float64: ``mat_a`` [rows, k] against
-    ``mat_b`` [groups, k, n] with ``offs`` the groups' cumulative row ends, or [groups, m, k]
-    against [groups, k, n] without ``offs``; ``bias`` [groups, n]."""
-    if mat_a.dim() == 3 and mat_b.dim() == 3 and offs is None:
-        out = torch.bmm(mat_a, mat_b)
-        return out if bias is None else out + bias.unsqueeze(1)
-    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None:
-        raise NotImplementedError(f"te_lab's float64 truth: torch._grouped_mm of a {mat_a.dim()}-D and a "
-                                  f"{mat_b.dim()}-D tensor {'with' if offs is not None else 'without'} offs")
-    ends = offs.tolist()
-    parts = []
-    for group, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        part = mat_a[start:end] @ mat_b[group]
-        parts.append(part if bias is None else part + bias[group])
-    return torch.cat(parts + [mat_a.new_zeros(mat_a.shape[0] - (ends[-1] if ends else 0), mat_b.shape[-1])])
-
-
 class _KeepFloat64(TorchFunctionMode):
     """Rewrites requests for float32 / float16 / bfloat16 results into float64."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _GROUPED_MM and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
-            return _grouped_mm_by_group(*args, **kwargs)
         if func in _DOWNCASTS and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
             return args[0]
         if "dtype" in kwargs:
