@@ -36,6 +36,13 @@ def describe(device: torch.device) -> dict:
     }
 
 
+def cpu_headline() -> str:
+    """One line for a hand-run benchmark's output: the CPU, its threads, torch, the load."""
+    machine = describe(torch.device("cpu"))
+    return (f"{machine['device_name']}, {machine['torch_threads']} threads, torch {torch.__version__}, "
+            f"load average {machine['load_average_1min']}")
+
+
 def ceilings(environment: dict, dtype: torch.dtype) -> dict:
     """The figures an op's achieved rates are divided by, for ``dtype``."""
     peak = environment["peak"]

@@ -80,9 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    machine = environment.describe(torch.device("cpu"))
-    print(f"{machine['device_name']}, {machine['torch_threads']} threads, torch {torch.__version__}, "
-          f"load average {machine['load_average_1min']}")
+    print(environment.cpu_headline())
     print("\n".join(markdown(run(args.layers, args.batch, args.seq, args.steps))))
     return 0
 

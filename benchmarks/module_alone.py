@@ -189,9 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--budget-s", type=float, default=20)
     args = parser.parse_args(argv)
-    machine = environment.describe(torch.device("cpu"))
-    print(f"{machine['device_name']}, {machine['torch_threads']} threads, torch {torch.__version__}, "
-          f"load average {machine['load_average_1min']}")
+    print(environment.cpu_headline())
     model, sample = real_like_llama(args.batch, args.seq)
     checks = checked_with_a_rerun(model, sample, budget_s=args.budget_s)
     print("\n".join(markdown(checks)))

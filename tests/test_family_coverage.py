@@ -69,6 +69,16 @@ FAMILIES = {
     "stablelm": {},
     # GPT-1: its attention's input is called x and it returns [output].
     "openai-gpt": {},
+    # MoE families of other layouts: OLMoE (QK-norm over the projections), PhiMoE,
+    # Granite-MoE (input_linear / output_linear experts), GLM-4-MoE (a shared expert).
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, pad_token_id=0),
+    # Cohere 2: sliding-window layers with RoPE beside full-attention layers without it.
+    "cohere2": dict(sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "helium": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # ReLU-squared MLPs (hidden_act "relu2").
     "arcee": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "nemotron": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),

@@ -387,12 +387,13 @@ class ResidualRMSNorm(nn.Module):
     def __init__(self, hidden):
         super().__init__()
         self.weight = nn.Parameter(torch.rand(hidden) + 0.5)
+        self.variance_epsilon = 1e-6
 
     def forward(self, hidden_states, residual=None):
         if residual is not None:
             hidden_states = hidden_states + residual
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        return self.weight * hidden_states * torch.rsqrt(variance + 1e-6)
+        return self.weight * hidden_states * torch.rsqrt(variance + self.variance_epsilon)
 
 
 class NormWithResidualBlock(nn.Module):
