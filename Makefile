@@ -16,7 +16,8 @@
 #   make bench-gpu       the same on the GPU: benchmarks/RESULTS-gpu.md, results-gpu.*
 #   make bench-quick     the quick profile (minutes on a 2-core CPU), report on stdout
 #   make gpu-check       on a CUDA or MUSA GPU: every Triton kernel checked and timed, a bf16
-#                        training check and a profile with raw traces, into gpu-check/
+#                        training check, a profile with raw traces and the generation
+#                        benchmark, into gpu-check/
 #
 # Set-up runs once: each environment keeps a stamp that is newer than pyproject.toml
 # while its install is current, so a second `make test` goes straight to pytest.

@@ -62,6 +62,9 @@ class Config:
 
 FULL = Config()
 QUICK = Config(models=("llama-tiny", HF_LLAMA_24), batches=(1, 4), prompts=(128,), new_tokens=16, rounds=3)
+# `te-lab gpu-check`'s generation stage: minutes on one GPU, the 24-layer model at decode
+# (batch 1) and a batch of 16, every mode.
+GPU_CHECK = Config(models=(HF_LLAMA_24,), batches=(1, 16), prompts=(128,), new_tokens=32, rounds=5)
 # Issue 28's key figure: greedy decoding at batch 1 on the 24-layer Hugging Face Llama, fused
 # against eager, with enough interleaved rounds for the median ratio's interval.
 KEY = Config(models=(HF_LLAMA_24,), batches=(1,), prompts=(64,), new_tokens=32, rounds=21, modes=("eager", "fused"))

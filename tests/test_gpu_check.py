@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from te_lab import device as devices
-from te_lab.benchmarks import cases
+from te_lab.benchmarks import cases, generation
 from te_lab.cli import main as te_lab_main
 from te_lab.gpu_checks import gpu_check, training_check
 from te_lab.kernels.registry import registered_ops
@@ -188,3 +188,17 @@ def test_autocast_training_check_trains_fused_and_unfused_side_by_side():
     assert result["max_loss_difference"] == max(abs(f - u) for f, u in zip(fused, unfused))
     medians = result["median_step_ms"]
     assert result["fused_speedup"]["value"] == pytest.approx(medians["unfused"] / medians["fused"], rel=1e-12)
+
+
+def test_the_generation_stage_tabulates_every_mode_and_fails_only_on_a_mode_that_broke():
+    """gpu-check's generation stage is the generation benchmark on the GPU; run here on the
+    CPU at a tiny size, its table and verdict are what the GPU run writes."""
+    tiny = generation.Config(models=("llama-tiny",), batches=(1,), prompts=(8,), new_tokens=3, rounds=1,
+                             modes=("eager", "fused"))
+    records = generation.run(tiny, device=torch.device("cpu"))
+    table = gpu_check.generation_markdown(records)
+    assert table.startswith("## Generation") and "| llama-tiny | 1 | 8 | fused |" in table
+    assert gpu_check.stage_passed("generation", records)
+    records[0]["modes"]["fused"]["error"] = "RuntimeError: compile failed"
+    assert not gpu_check.stage_passed("generation", records)
+    assert generation.GPU_CHECK.modes == generation.MODES  # the GPU run compares every mode

@@ -16,6 +16,10 @@ gpu-check``), a few minutes on one H100/H200 or MUSA GPU. Everything lands in on
    curves side by side and step times (``training_check``).
 4. a te_lab profile of the fused demo Llama: ``profile.html``, ``profile.json`` and the
    raw traces (``traces/``, for ``te_lab.open_trace`` anywhere).
+5. generation: the generation benchmark's prefill and decode tokens/s on the GPU
+   (:data:`te_lab.benchmarks.generation.GPU_CHECK`: eager, fused, torch.compile and fused
+   under it), with whether each mode's greedy tokens are eager's (reported, not failed:
+   another GEMM's rounding may flip a near tie on a random-weight model).
 
 ``gpu-check.md`` collects every table (written after each stage, so an interrupted run
 keeps what it finished), ``results.json`` the data. A stage that raises is recorded as a
@@ -36,7 +40,7 @@ import torch
 
 import te_lab
 from te_lab import device as devices
-from te_lab.benchmarks import environment, per_op
+from te_lab.benchmarks import environment, generation, per_op
 from te_lab.benchmarks.cases import OP_CASES, OpCase, Size, op_cases, transformer_parameter_shapes
 from te_lab.benchmarks.harness import describe_error
 from te_lab.kernels import FusedAdamW
@@ -225,6 +229,10 @@ def profile_markdown(result: dict) -> str:
             f"{result['html']}; raw traces in traces/: {', '.join(result['traces'])}\n")
 
 
+def generation_markdown(records: list[dict]) -> str:
+    return "## Generation (float32; tokens/s count every row)\n\n" + "\n".join(generation.markdown(records)) + "\n"
+
+
 def stage_passed(name: str, result) -> bool:
     """Whether a stage's result holds no failed check."""
     if name == "correctness":
@@ -233,6 +241,8 @@ def stage_passed(name: str, result) -> bool:
         return not any(record.get("error") for record in result)
     if name == "training":
         return bool(result["within_tolerance"])
+    if name == "generation":
+        return not any(mode["error"] for record in result for mode in record["modes"].values())
     return True
 
 
@@ -310,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
         ("training", lambda: autocast_training_check(device, model=args.training_model, steps=args.training_steps,
                                                      progress=progress), training_markdown),
         ("profile", lambda: profile_run(device, args.profile_model, args.out, progress), profile_markdown),
+        ("generation", lambda: generation.run(generation.GPU_CHECK, device=device, progress=progress),
+         generation_markdown),
     ]
     passed = run_stages(stages, args.out, header, progress)
     print((args.out / "gpu-check.md").read_text(encoding="utf-8"))
