@@ -35,6 +35,11 @@ from .direct import compiled_decode, direct_calls_allowed
 _STEPS_ASIDE: dict[tuple, bool] = {}
 
 
+def _first_argument(args: tuple, kwargs: dict):
+    """A call's input: its first positional argument, else its first keyword's value."""
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
 class FusedModule(nn.Module):
     """Base class of te_lab's fused twins; ``original`` is the module replaced.
 
@@ -71,7 +76,7 @@ class FusedModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self.measured_against_original and not self.training and self._steps_aside(args, kwargs):
             return self.original.forward(*args, **kwargs)
-        if compiled_decode(self, args[0] if args else next(iter(kwargs.values()), None)):
+        if compiled_decode(self, _first_argument(args, kwargs)):
             return self.original.forward(*args, **kwargs)
         return self.fused_forward(*args, **kwargs)
 
@@ -84,7 +89,7 @@ class FusedModule(nn.Module):
         modes (where the twin's ops may also run their kernels directly)."""
         if "pinned_backends" in self.__dict__ or not direct_calls_allowed(self):
             return False
-        x = args[0] if args else next(iter(kwargs.values()), None)
+        x = _first_argument(args, kwargs)
         if not isinstance(x, Tensor) or x.dim() == 0 or x.device.type != "cpu":
             return False
         structure = self.__dict__.get("_structure")

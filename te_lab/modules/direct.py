@@ -36,11 +36,16 @@ from te_lab.kernels.torch_internals import any_autocast_enabled, dispatch_modes_
 from . import projection
 
 
+def _inference_choosing_automatically(twin: nn.Module) -> bool:
+    """No gradients, eval mode, and every op of ``twin`` choosing its backend itself."""
+    return not (torch.is_grad_enabled() or twin.training or twin.backend is not None or registry.backends_forced())
+
+
 def direct_calls_allowed(twin: nn.Module) -> bool:
     """Whether ``twin``'s call now may run its kernels directly (see the module doc)."""
-    return not (torch.is_grad_enabled() or twin.training or twin.backend is not None
-                or registry.backends_forced() or torch.compiler.is_compiling() or any_autocast_enabled()
-                or dispatch_modes_active() or function_modes_active())
+    return _inference_choosing_automatically(twin) and not (
+        torch.compiler.is_compiling() or any_autocast_enabled() or dispatch_modes_active()
+        or function_modes_active())
 
 
 #: Calls of at most this many rows (a decode step at batch 16 and below) that torch.compile
@@ -54,9 +59,8 @@ COMPILED_DECODE_ROWS = 16
 def compiled_decode(twin: nn.Module, x) -> bool:
     """Whether ``twin``'s call is a decode step torch.compile traces without gradients
     (:data:`COMPILED_DECODE_ROWS`), every op choosing automatically: then the original runs."""
-    return (torch.compiler.is_compiling() and not torch.is_grad_enabled() and not twin.training
-            and twin.backend is None and isinstance(x, Tensor) and x.dim() > 0
-            and x.numel() // max(x.shape[-1], 1) <= COMPILED_DECODE_ROWS and not registry.backends_forced())
+    return (torch.compiler.is_compiling() and isinstance(x, Tensor) and x.dim() > 0
+            and x.numel() // max(x.shape[-1], 1) <= COMPILED_DECODE_ROWS and _inference_choosing_automatically(twin))
 
 
 def _without_hooks(module: nn.Module) -> bool:
