@@ -62,9 +62,12 @@ FAMILIES = {
                  eos_token_id=127),
     # Multi-query query_key_value ([q heads | k | v]) and a `dense` output projection.
     "falcon": dict(head_dim=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    # A RoPE layer with qk_norm, a no-RoPE layer with temperature tuning and an MoE block.
+    # A RoPE layer (complex frequencies, then a weightless qk_norm) with chunked attention
+    # (chunks of 8), a no-RoPE layer with temperature tuning (floor_scale 4: the temperature
+    # changes every 4 positions of the sample and of the generated tokens) and an MoE block.
     "llama4_text": dict(num_local_experts=4, interleave_moe_layer_step=2, intermediate_size_mlp=128,
-                        no_rope_layers=[1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                        no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2),
     # Partial rotary: tables of the rotated quarter of each head (partial_rotary_factor 0.25).
     "stablelm": {},
     # GPT-1: its attention's input is called x and it returns [output].
@@ -90,21 +93,18 @@ FAMILIES = {
 # be the row's reason (a regular expression searched in it).
 KNOWN_LIMITS = {
     "deepseek_v3": {"*.self_attn": r"multi-head latent attention \(MLA.*\) is not covered yet"},
-    "llama4_text": {
-        "*.self_attn": r"qk_norm \(one weightless L2 norm for q and k\) follows a rotation by complex frequencies|"
-                       r"no-RoPE layer scales q by a position-dependent temperature \(attn_temperature_tuning\)",
-    },
 }
 # Families whose attention is recognized but not fused yet (their rows say why).
-ATTENTION_NOT_COVERED = ("deepseek_v3", "llama4_text")
+ATTENTION_NOT_COVERED = ("deepseek_v3",)
 # Reasons that are bugs of ours, never a real limit.
 BUGS = ("could not build", "probe raised", "raised", "no rule applied")
 ATTENTION_PATHS = ("*.self_attn", "*.attn")
 DENSE_MLP_RULES = ("swiglu_mlp", "mlp", "geglu_mlp", "gated_mlp")
 
 
-def build(model_type):
-    overrides = dict(FAMILIES[model_type])
+def build(model_type, **changes):
+    """The family's tiny real-like model; ``changes`` override its config further."""
+    overrides = dict(FAMILIES[model_type]) | changes
     tiny = {} if model_type == "gpt2" else dict(TINY)
     if overrides.get("head_dim", 0) is None:
         tiny.pop("head_dim")
@@ -349,11 +349,14 @@ TWIN_CASES = [
     ("phi3", ""),  # one qkv_proj with grouped-query widths
     ("olmo", ""),
     ("starcoder2", ""),
+    # Complex frequencies over interleaved pairs, then a weightless qk_norm (inside te_lab's rope).
+    ("llama4_text", "rotary: interleaved_complex_tables"),
 ]
 
 
 def rotary_tables(model, attention, hidden, positions):
-    """The model's (cos, sin) for ``attention``'s layer (Gemma 3 keeps one table per layer type)."""
+    """The model's (cos, sin) for ``attention``'s layer (Gemma 3 keeps one table per layer
+    type), or its one complex tensor of frequencies (Llama 4)."""
     rotary = model.model.rotary_emb
     per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_type = getattr(attention, "original", attention).layer_type if per_layer_type else None
@@ -375,21 +378,21 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
     variant = next(v for v in match.variants if v.note == note)
     twin = variant.build(BuildOptions(backend=None, enabled_rules=frozenset({"attention", "rope", "rmsnorm"})))
     assert {"te_lab::attention", "te_lab::rope"} & set(twin.kernel_names())
-    if model_type in ("qwen3", "gemma3_text"):
+    if model_type in ("qwen3", "gemma3_text", "llama4_text"):
         assert twin._norms_in_rope and "te_lab::rms_norm" not in twin.kernel_names()
     if model_type == "olmo2":
         assert "te_lab::rms_norm" in twin.kernel_names()
     hidden = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(4)) * 3
     positions = torch.arange(10).expand(2, 10)
-    cos, sin = rotary_tables(model, module, hidden, positions)
+    tables = rotary_tables(model, module, hidden, positions)
     upstream = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
                            generator=torch.Generator().manual_seed(5))
     parameters = [p for p in module.parameters() if p.requires_grad]
 
     def run(fn):
         x = hidden.clone().requires_grad_()
-        out = fn(x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        out = fn(x, position_embeddings=tables, attention_mask=None)[0]
         return (out, *torch.autograd.grad((out * upstream).sum(), [x, *parameters]))
 
     # Scale-wise, at float32's tolerance: Hugging Face's norms and eager softmax round
@@ -398,10 +401,16 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "gpt_oss", "phi3"])
+def positions_of(tables, part: slice):
+    """The rotary tables of some positions: (cos, sin) or one complex tensor."""
+    return tuple(t[:, part] for t in tables) if isinstance(tables, tuple) else tables[:, part]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "gpt_oss", "phi3", "llama4_text"])
 def test_multi_token_calls_against_a_filled_cache_run_fused(model_type):
     """Chunked prefill: a second chunk of several tokens against the first chunk's cache
-    (the mask the model builds, sliding windows included) and a direct call of a layer
+    (the mask the model builds, sliding windows and Llama 4's chunks included, and Llama
+    4's temperature counting positions from the cache) and a direct call of a layer
     without a mask (SDPA's top-left causal) both run on the fused path and give the
     unfused numbers."""
     model, unfused, _ = fused_pair(model_type)
@@ -424,9 +433,9 @@ def test_multi_token_calls_against_a_filled_cache_run_fused(model_type):
                 cache = transformers.DynamicCache(config=m.config)
                 hidden = torch.randn(2, 8, m.config.hidden_size, generator=torch.Generator().manual_seed(7))
                 tables = rotary_tables(m, attention, hidden, torch.arange(8).expand(2, 8))
-                attention(hidden[:, :5], position_embeddings=tuple(t[:, :5] for t in tables), attention_mask=None,
+                attention(hidden[:, :5], position_embeddings=positions_of(tables, slice(0, 5)), attention_mask=None,
                           past_key_values=cache)
-                outputs.append(attention(hidden[:, 5:], position_embeddings=tuple(t[:, 5:] for t in tables),
+                outputs.append(attention(hidden[:, 5:], position_embeddings=positions_of(tables, slice(5, None)),
                                          attention_mask=None, past_key_values=cache)[0])
     finally:
         for twin in twins:
@@ -435,3 +444,126 @@ def test_multi_token_calls_against_a_filled_cache_run_fused(model_type):
     assert (logits[0] - logits[1]).abs().max() <= 1e-5 * scale + 1e-5
     assert (outputs[0] - outputs[1]).abs().max() <= 1e-5 * outputs[1].abs().max() + 1e-5
     assert not handed_back, f"{len(handed_back)} attention calls handed back to the original"
+
+
+# ---- Llama 4: complex frequencies + weightless qk_norm, and temperature-tuned no-RoPE layers ----
+
+LLAMA4_ROPE_NOTE = "rotary: interleaved_complex_tables"
+LLAMA4_NOPE_NOTE = "rotary: none; q temperature-tuned (floor_scale 4, attn_scale 0.1)"
+
+
+def test_llama4_both_attention_layer_kinds_fuse_with_their_variant_named():
+    """The RoPE layer rotates by complex frequencies and runs its weightless qk_norm inside
+    te_lab's rope; the no-RoPE layer applies its temperature on q; both on the fused
+    attention op, each row naming its variant (or, where the probe preferred them, the
+    module's own norms / the reference rotation)."""
+    model, _, report = fused_pair("llama4_text")
+    rows = {row.path: row for row in report.rows if row.rule == "attention"}
+    rope_row, nope_row = rows["model.layers.0.self_attn"], rows["model.layers.1.self_attn"]
+    assert rope_row.status == "fused" and nope_row.status == "fused", (rope_row.reason, nope_row.reason)
+    rope_twin, nope_twin = (model.get_submodule(path) for path in (rope_row.path, nope_row.path))
+
+    own_norms, reference_rope = "q/k norms run as the module's own", "rotation on te_lab's reference math"
+    notes = rope_row.variant.split("; ")
+    assert notes[0] == LLAMA4_ROPE_NOTE and set(notes[1:]) <= {own_norms, reference_rope}, rope_row.variant
+    assert rope_twin.rotary == "interleaved_complex_tables" and rope_twin.temperature is None
+    assert rope_twin.qk_norms == ("qk_norm", "qk_norm") and rope_twin.qk_norm_scope == "head"
+    assert rope_twin._norms_in_rope == (own_norms not in notes and reference_rope not in notes)
+    assert {"te_lab::attention"} | ({"te_lab::rope"} if reference_rope not in notes else set()) \
+        == set(rope_row.kernels) - {"te_lab::linear", "te_lab::rms_norm"}
+
+    assert nope_row.variant == LLAMA4_NOPE_NOTE
+    assert nope_twin.rotary == "none" and nope_twin.temperature == (4.0, 0.1) and nope_twin.qk_norms is None
+    assert set(nope_row.kernels) - {"te_lab::linear"} == {"te_lab::attention"}
+
+
+def test_llama4_no_rope_layer_twin_computes_the_temperature_in_float64():
+    """The no-RoPE layer's twin against the module in float64, after 6 cached tokens (the
+    temperature's positions come from the cache): output and every gradient agree."""
+    from te_lab.surgery.attention_rules import match_attention
+    from te_lab.surgery.rules import BuildOptions, Match
+
+    model = build("llama4_text").double()
+    module = model.model.layers[1].self_attn
+    match = match_attention(module)
+    assert isinstance(match, Match), match
+    (variant,) = [v for v in match.variants if v.note == LLAMA4_NOPE_NOTE]
+    twin = variant.build(BuildOptions(backend=None, enabled_rules=frozenset({"attention", "rope", "rmsnorm"})))
+    hidden = torch.randn(2, 10, model.config.hidden_size, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(4)) * 3
+    tables = rotary_tables(model, module, hidden, torch.arange(10).expand(2, 10))
+    upstream = torch.randn(2, 4, model.config.hidden_size, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(5))
+    parameters = [p for p in module.parameters() if p.requires_grad]
+
+    def run(fn):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            fn(hidden[:, :6], position_embeddings=positions_of(tables, slice(0, 6)), attention_mask=None, cache=cache)
+        x = hidden[:, 6:].clone().requires_grad_()
+        out = fn(x, position_embeddings=positions_of(tables, slice(6, None)), attention_mask=None, cache=cache)[0]
+        return (out, *torch.autograd.grad((out * upstream).sum(), [x, *parameters]))
+
+    handed_back = []
+    twin._call_original = lambda args, kwargs: handed_back.append(1)
+    fused = run(twin)
+    assert not handed_back
+    for got, want in zip(fused, run(module)):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-9
+
+
+def _llama4_refused(report, path):
+    (row,) = [row for row in report.rows if row.path == path]
+    assert row.status == "skipped", f"{path} was fused: {row}"
+    assert "from the float64 truth where the original's own error is" in row.reason, row.reason
+
+
+@pytest.mark.parametrize("floor_scale", [4, 8192])
+@pytest.mark.parametrize("wrong", ["no temperature", "attn_scale doubled", "floor dropped"])
+def test_a_wrong_llama4_temperature_is_refused_by_the_probe(monkeypatch, wrong, floor_scale):
+    """A twin whose temperature is missing or miscomputed is refused, also at Llama 4's real
+    floor_scale (8192), where every position of a 16-token sample has temperature 1: the
+    rule's stand-in cache puts the probe's positions across a multiple of floor_scale."""
+    from te_lab.modules import FusedAttention
+
+    model = build("llama4_text", floor_scale=floor_scale)
+    original_init = FusedAttention.__init__
+
+    def wrong_temperature(self, original, **options):
+        original_init(self, original, **options)
+        if self.temperature is not None and wrong != "floor dropped":
+            self.temperature = None if wrong == "no temperature" else (self.temperature[0], 2 * self.temperature[1])
+
+    monkeypatch.setattr(FusedAttention, "__init__", wrong_temperature)
+    if wrong == "floor dropped":  # log1p((position + 1) / floor_scale): no floor
+        def unfloored(self, q, named):
+            floor_scale, attn_scale = self.temperature
+            cache = self._cache(named)
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            positions = torch.arange(q.shape[-2], device=q.device) + past
+            return (q * (torch.log1p((positions.float() + 1.0) / floor_scale) * attn_scale + 1.0).view(1, 1, -1, 1)
+                    ).to(q.dtype)
+
+        monkeypatch.setattr(FusedAttention, "_temperature_tuned", unfloored)
+    ids = sample_ids()
+    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
+                         progress=False)
+    _llama4_refused(report, "model.layers.1.self_attn")
+    assert next(row for row in report.rows if row.path == "model.layers.0.self_attn").status == "fused"
+
+
+def test_a_llama4_twin_that_skips_the_qk_norm_is_refused_by_the_probe(monkeypatch):
+    from te_lab.modules import FusedAttention
+
+    model = build("llama4_text")
+    original_init = FusedAttention.__init__
+
+    def without_norm(self, original, **options):
+        original_init(self, original, **{**options, "qk_norms": None, "qk_rms_norms": None})
+
+    monkeypatch.setattr(FusedAttention, "__init__", without_norm)
+    ids = sample_ids()
+    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
+                         progress=False)
+    _llama4_refused(report, "model.layers.0.self_attn")
+    assert next(row for row in report.rows if row.path == "model.layers.1.self_attn").status == "fused"

@@ -5,11 +5,13 @@ kernel that never holds the score matrix (``attention``).
 - :class:`FusedAttention`: q/k/v projections, separate (``q_proj``/``k_proj``/``v_proj``:
   Llama, Mistral, Qwen, Gemma, OLMo, gpt-oss, ...) or one ``[q | k | v]`` projection with
   grouped-query widths (Phi-3's ``qkv_proj``), and an output projection; RoPE from
-  ``position_embeddings`` ``(cos, sin)`` in any of :data:`ROTARY_STYLES`, over all or the
-  first dims of each head (partial rotary: the tables' width says how many); optional
-  q/k norms (QK-norm: Qwen3, Gemma 3, OLMo 2; RMSNorms over each head run inside the
-  rotation's pass), attention sinks (gpt-oss), logit
-  soft-capping (Gemma 2), q/k/v clipping (OLMo) and output dropout (Starcoder2).
+  ``position_embeddings`` ``(cos, sin)`` or complex frequencies (Llama 4's ``freqs_cis``)
+  in any of :data:`ROTARY_STYLES`, over all or the first dims of each head (partial
+  rotary: the tables' width says how many); optional q/k norms (QK-norm: Qwen3, Gemma 3,
+  OLMo 2, Llama 4's weightless ``qk_norm``; RMSNorms over each head run inside the
+  rotation's pass), attention sinks (gpt-oss), logit soft-capping (Gemma 2), q/k/v
+  clipping (OLMo), output dropout (Starcoder2) and a position-dependent temperature on q
+  (Llama 4's no-RoPE layers).
 - :class:`FusedQKVAttention`: one ``c_attn`` projection giving ``[q | k | v]`` and a
   ``c_proj`` (GPT-2, te_lab's demo GPT-2), no RoPE.
 
@@ -53,9 +55,13 @@ COVERED_IMPLEMENTATIONS = (None, "sdpa", "eager")
 # rotate-half pairs (i, i + d/2) with a table value per dim (Llama); the same pairs with
 # one value per pair, tables half as wide (gpt-oss); interleaved pairs (2i, 2i + 1) with
 # per-dim tables in that order (Cohere); interleaved pairs with rotate-half tables, whose
-# first half is repeated pairwise (GLM-4); or no rotation (layers without RoPE: SmolLM3,
-# EXAONE 4's global layers).
-ROTARY_STYLES = ("rotate_half", "rotate_half_pair_tables", "interleaved", "interleaved_rotate_half_tables", "none")
+# first half is repeated pairwise (GLM-4); interleaved pairs rotated by one complex number
+# each, the tables a complex tensor [batch, seq, pairs] (Llama 4's freqs_cis, applied with
+# view_as_complex); or no rotation (layers without RoPE: SmolLM3, EXAONE 4's global layers).
+ROTARY_STYLES = ("rotate_half", "rotate_half_pair_tables", "interleaved", "interleaved_rotate_half_tables",
+                 "interleaved_complex_tables", "none")
+# The styles whose position_embeddings is one complex tensor rather than (cos, sin).
+COMPLEX_TABLE_STYLES = ("interleaved_complex_tables",)
 # Where q/k norms apply: over each head's dims (Qwen3, Gemma 3, Cohere) or over the whole
 # projection output before it is split into heads (OLMo 2).
 QK_NORM_SCOPES = ("head", "projection")
@@ -162,12 +168,20 @@ class FusedAttention(_FusedSelfAttention):
     children's weights: over each head, inside the fused rotation's one pass over q and k
     (``rope``'s norm weights); over the whole projection (OLMo 2, whose norm spans
     every head) or without a fused rotation, as te_lab's ``rms_norm``. Otherwise the
-    children are called. ``sinks``: the name
+    children are called. A norm child without a weight (Llama 4's one ``qk_norm`` for q and
+    k, named twice in ``qk_norms``) runs with unit weights; Llama 4 applies it after the
+    rotation, which changes nothing: the rotation keeps each head's sum of squares (its
+    tables are unit complex numbers), so the twin normalizes first, as for the others.
+    ``sinks``: the name
     of a per-head Parameter of attention-sink logits. ``softcap``: scores become
     ``softcap * tanh(scores / softcap)`` (no fused kernel has it: the attention then runs
     te_lab's reference math, and the twin does not list the attention op). ``clip_qkv``:
     q, k and v are clamped to +-clip_qkv after projecting. ``output_dropout``: dropout
-    after the output projection while training. ``fused_rope=False`` keeps the rotation
+    after the output projection while training. ``temperature``: ``(floor_scale,
+    attn_scale)``, q is multiplied by ``log1p(floor((position + 1) / floor_scale)) *
+    attn_scale + 1`` after its rotation, the positions counted from the tokens the KV cache
+    has already seen (Llama 4's ``attn_temperature_tuning`` on its no-RoPE layers, as it
+    computes them). ``fused_rope=False`` keeps the rotation
     and ``fused_attention=False`` the softmax attention on te_lab's reference math, for
     ``fuse(exclude=["rope"])`` and ``fuse(only=["rope"])``."""
 
@@ -175,7 +189,8 @@ class FusedAttention(_FusedSelfAttention):
                  qk_norms: Optional[tuple[str, str]] = None, qk_norm_scope: str = "head",
                  qk_rms_norms: Optional[tuple[tuple[float, float], tuple[float, float]]] = None,
                  sinks: Optional[str] = None, softcap: Optional[float] = None, clip_qkv: Optional[float] = None,
-                 output_dropout: float = 0.0, fused_rope: bool = True, **options):
+                 output_dropout: float = 0.0, temperature: Optional[tuple[float, float]] = None,
+                 fused_rope: bool = True, **options):
         super().__init__(original, **options)
         if len(projections) not in (2, 4):
             raise ValueError(f"FusedAttention: projections must be (q, k, v, out) or (qkv, out) child names, "
@@ -188,7 +203,7 @@ class FusedAttention(_FusedSelfAttention):
         self.rotary, self.qk_norms, self.qk_norm_scope = rotary, qk_norms, qk_norm_scope
         self.qk_rms_norms = qk_rms_norms if qk_norms is not None else None
         self.sinks_name, self.softcap, self.clip_qkv = sinks, softcap, clip_qkv
-        self.output_dropout = output_dropout
+        self.output_dropout, self.temperature = output_dropout, temperature
         self.fused_rope = fused_rope and rotary != "none"
 
     @property
@@ -225,14 +240,26 @@ class FusedAttention(_FusedSelfAttention):
         if self.qk_rms_norms is None:
             return norm(x)
         eps, weight_offset = self.qk_rms_norms[index]
-        y = direct.rms_norm(x, norm._parameters["weight"], eps, weight_offset) if runs_direct else None
-        return y if y is not None else rms_norm(x, norm._parameters["weight"], eps, weight_offset=weight_offset,
+        weight = norm._parameters.get("weight")  # None: a weightless norm (Llama 4's qk_norm)
+        y = direct.rms_norm(x, weight, eps, weight_offset) if runs_direct else None
+        return y if y is not None else rms_norm(x, weight, eps, weight_offset=weight_offset,
                                                 backend=self.backend_for(RMS_NORM))
+
+    def _norm_weights(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        """The q and k norms' weights for the rope op, ones for a weightless norm."""
+        weights = [self._modules[name]._parameters.get("weight") for name in self.qk_norms]
+        return tuple(torch.ones(self.head_dim, dtype=like.dtype, device=like.device) if weight is None else weight
+                     for weight in weights)
 
     def _rotate(self, q: Tensor, k: Tensor, position_embeddings, runs_direct: bool) -> tuple[Tensor, Tensor]:
         if self.rotary == "none":
             return q, k
-        cos, sin = position_embeddings
+        if self.rotary in COMPLEX_TABLE_STYLES:
+            # One complex number per pair (2i, 2i + 1): its real part is the pair's cos.
+            tables = position_embeddings.to(q.device)
+            cos, sin = tables.real.repeat_interleave(2, -1), tables.imag.repeat_interleave(2, -1)
+        else:
+            cos, sin = position_embeddings
         if self.rotary == "rotate_half_pair_tables":
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
         elif self.rotary == "interleaved_rotate_half_tables":
@@ -241,7 +268,7 @@ class FusedAttention(_FusedSelfAttention):
         norm = {}
         if self._norms_in_rope:
             (eps, weight_offset), _ = self.qk_rms_norms
-            q_weight, k_weight = (self._modules[name]._parameters["weight"] for name in self.qk_norms)
+            q_weight, k_weight = self._norm_weights(q)
             norm = dict(q_norm_weight=q_weight, k_norm_weight=k_weight, norm_eps=eps, norm_weight_offset=weight_offset)
         interleaved = self.rotary.startswith("interleaved")
         rotated = direct.rope(q, k, cos, sin, interleaved, norm) if runs_direct and self.fused_rope else None
@@ -268,12 +295,25 @@ class FusedAttention(_FusedSelfAttention):
             q, k = self._norm(0, q, runs_direct), self._norm(1, k, runs_direct)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = self._rotate(q, k, position_embeddings, runs_direct)
+        if self.temperature is not None:
+            q = self._temperature_tuned(q, named)
         sinks = None if self.sinks_name is None else self._parameters[self.sinks_name]
         attended = self._attend(q, k, v, named, sinks=sinks, softcap=self.softcap, runs_direct=runs_direct)
         out = self._project(self.o_name, attended, runs_direct)
         if self.output_dropout and self.training:
             out = F.dropout(out, self.output_dropout)
         return self._result(out)
+
+    def _temperature_tuned(self, q: Tensor, named: dict[str, Any]) -> Tensor:
+        """q [batch, heads, seq, head_dim] times its position's temperature, computed as
+        Llama 4 does: positions from the cache's length before this call's tokens, the
+        scales in float32, the product rounded to q's dtype."""
+        floor_scale, attn_scale = self.temperature
+        cache = self._cache(named)
+        past_seen_tokens = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        positions = torch.arange(q.shape[-2], device=q.device) + past_seen_tokens
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales.view(1, 1, -1, 1)).to(q.dtype)
 
     def extra_repr(self) -> str:
         features = [f"rotary={self.rotary}"]
@@ -283,6 +323,8 @@ class FusedAttention(_FusedSelfAttention):
             features.append("sinks")
         if self.softcap is not None:
             features.append(f"softcap={self.softcap:g}")
+        if self.temperature is not None:
+            features.append("temperature(floor_scale={:g}, attn_scale={:g})".format(*self.temperature))
         return ", ".join(features) + ", " + super().extra_repr()
 
 

@@ -14,31 +14,45 @@ q/k norms (QK-norm) and attention sinks from its children and parameters. Slidin
 need nothing of the rule: they are in the masks the model passes each layer. How the
 module rotates q and k (rotate-half, interleaved, or not at all) is left to the probe,
 which keeps the first rotation that reproduces it; so is everything else it does.
+Llama 4's layers are covered by the same reading: its rotary tables are complex
+frequencies (tried when the module takes no ``(cos, sin)``), its one weightless
+``qk_norm`` serves q and k (a weightless RMSNorm commutes with the rotation, so it runs
+inside the rope kernel's pass like the others), and on its no-RoPE layers
+(``use_rope`` false, ``attn_temperature_tuning``) q gets its position's temperature from
+``floor_scale`` and ``attn_scale``; that layer's probe is handed a stand-in cache
+reporting past tokens, so that its positions cross a multiple of ``floor_scale`` and a
+wrong temperature shows even on a short sample.
 Recognized and skipped, each row saying why: multi-head latent attention (DeepSeek-V3's
 MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``); a fused projection that interleaves q, k and
 v per head or per key-value group (Falcon's ``multi_query=False`` and
-``new_decoder_architecture``); ALiBi biases (``config.alibi``); Llama 4's ``qk_norm``
-after a rotation by complex frequencies, and its no-RoPE layers' position-dependent
-temperature on q (``attn_temperature_tuning``).
+``new_decoder_architecture``); ALiBi biases (``config.alibi``).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from te_lab.inputs import call_with
-from te_lab.modules.attention import ROTARY_STYLES, FusedAttention, FusedQKVAttention
+from te_lab.modules.attention import (
+    CACHE_ARGUMENTS,
+    COMPLEX_TABLE_STYLES,
+    ROTARY_STYLES,
+    FusedAttention,
+    FusedQKVAttention,
+)
 from te_lab.modules.call_arguments import forward_signature
 from te_lab.modules.linear_like import in_out_features, is_linear_like
 
 from .inspection import (
+    complex_rotary_tables,
     float_attribute,
     head_count,
     identify_rms_norm,
+    identify_weightless_rms_norm,
     random_tensor,
     rotary_tables,
     takes_argument,
@@ -50,8 +64,9 @@ from .rules import BuildOptions, FusionRule, Match, MatchResult, ProbeInputs, Sk
 # Child names of the q/k/v and output projections: separate, or one [q | k | v] projection.
 PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"),
                     ("q_proj", "k_proj", "v_proj", "dense"), ("qkv_proj", "o_proj"), ("query_key_value", "dense"))
-# Child names of q/k norms (QK-norm), called by the twin as the original calls them.
-QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+# Child names of q/k norms (QK-norm), called by the twin as the original calls them; Llama 4
+# has one weightless qk_norm for both.
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("qk_norm", "qk_norm"))
 # Parameters of the module's own the twin applies: per-head attention-sink logits (gpt-oss).
 SINK_NAMES = ("sinks",)
 # Dropout children on the attention probabilities, whose p the twin applies.
@@ -103,8 +118,12 @@ def _missing_arguments(module: nn.Module, given: set) -> dict:
 
 def _qk_norm_scope(module: nn.Module, names: tuple[str, str], head_dim: int, widths: tuple[int, int]):
     """Whether the q/k norms normalize each head ("head") or the whole projection output
-    ("projection", OLMo 2), read off their weights; None when neither fits."""
-    weights = [module._modules[name]._parameters.get("weight") for name in names]
+    ("projection", OLMo 2), read off their weights; None when neither fits. Norms without
+    parameters (Llama 4's ``qk_norm``) are taken to normalize each head, the probe judging."""
+    norms = [module._modules[name] for name in names]
+    if all(not norm._parameters and not norm._modules for norm in norms):
+        return "head"
+    weights = [norm._parameters.get("weight") for norm in norms]
     if any(weight is None for weight in weights):
         return None
     if all(weight.shape[-1] == head_dim for weight in weights):
@@ -131,23 +150,52 @@ def _table_widths(module: nn.Module, head_dim: int) -> list[int]:
     return [width for width in dict.fromkeys(widths) if width > 0]
 
 
-def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[int]:
-    """How wide the rotary tables the module takes are (:func:`_table_widths`), found by
-    calling it."""
-    for width in _table_widths(module, head_dim):
-        try:
-            _returned_container(module, inputs(width))
-        except Exception:  # noqa: BLE001 - the module refused tables this wide
-            continue
-        return width
+# The forms rotary tables take: Hugging Face's (cos, sin), or one complex tensor of
+# frequencies (Llama 4's freqs_cis), tried in this order.
+TABLE_KINDS = ("cos_sin", "complex")
+
+
+def _rotary_inputs(kind: str, batch: int, seq: int, width: int, module: nn.Module):
+    if kind == "complex":
+        return complex_rotary_tables(batch, seq, width, module)
+    return rotary_tables(batch, seq, width, module)
+
+
+def _table_width(module: nn.Module, inputs, head_dim: int) -> Optional[tuple[str, int]]:
+    """The kind (:data:`TABLE_KINDS`) and width (:func:`_table_widths`) of the rotary tables
+    the module takes, found by calling it."""
+    for kind in TABLE_KINDS:
+        for width in _table_widths(module, head_dim):
+            try:
+                _returned_container(module, inputs(kind, width))
+            except Exception:  # noqa: BLE001 - the module refused tables of this kind or width
+                continue
+            return kind, width
     return None
 
 
-def _rotary_styles(module: nn.Module) -> tuple[str, ...]:
+def _rotary_styles(module: nn.Module, table_kind: str) -> tuple[str, ...]:
     """The rotations to try, most common first; the probe keeps the one the module computes."""
-    if not getattr(module, "use_rope", True):  # SmolLM3's no-RoPE layers
+    if not getattr(module, "use_rope", True):  # SmolLM3's and Llama 4's no-RoPE layers
         return ("none",)
-    return ROTARY_STYLES
+    complex_tables = table_kind == "complex"
+    return tuple(style for style in ROTARY_STYLES
+                 if style == "none" or (style in COMPLEX_TABLE_STYLES) == complex_tables)
+
+
+def _input_name(module: nn.Module) -> str:
+    """The name of the forward's first parameter, the hidden states."""
+    return next(iter(forward_signature(module.forward).parameters), "hidden_states")
+
+
+def _rms_norm_of(norm: nn.Module, head_dim: int) -> Optional[tuple[float, float]]:
+    """``(eps, weight_offset)`` of a q/k norm that is an RMSNorm, with a weight or without
+    one (then over each head: Llama 4's ``qk_norm``), else None."""
+    found = identify_rms_norm(norm)
+    if found is not None:
+        return found
+    eps = identify_weightless_rms_norm(norm, head_dim)
+    return None if eps is None else (eps, 0.0)
 
 
 def _optional_float(value) -> Optional[float]:
@@ -155,18 +203,46 @@ def _optional_float(value) -> Optional[float]:
 
 
 def _unsupported_positions(module: nn.Module) -> Optional[Skip]:
-    """Position schemes the twin does not apply, read off the module's attributes and
-    children: ALiBi, Llama 4's rotation by complex frequencies followed by its ``qk_norm``,
-    and the position-dependent temperature on q of its no-RoPE layers."""
+    """Position schemes the twin does not apply, read off the module's attributes: ALiBi."""
     if getattr(getattr(module, "config", None), "alibi", False) is True:
         return Skip("ALiBi position biases (config.alibi) are not covered")
-    if "qk_norm" in module._modules:
-        return Skip("its qk_norm (one weightless L2 norm for q and k) follows a rotation by complex frequencies "
-                    "(position_embeddings is freqs_cis), which the fused attention does not cover yet")
-    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
-        return Skip("its no-RoPE layer scales q by a position-dependent temperature (attn_temperature_tuning), "
-                    "which the fused attention does not apply")
     return None
+
+
+def _temperature(module: nn.Module) -> Union[tuple[float, float], Skip, None]:
+    """``(floor_scale, attn_scale)`` of a no-RoPE layer that scales q by a position-dependent
+    temperature (Llama 4's ``attn_temperature_tuning``), None for any other layer."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    floor_scale, attn_scale = (_optional_float(getattr(module, name, None)) for name in ("floor_scale", "attn_scale"))
+    if floor_scale is None or attn_scale is None:
+        return Skip("its no-RoPE layer scales q by a position-dependent temperature (attn_temperature_tuning) "
+                    "without a positive floor_scale and attn_scale to compute it from")
+    return floor_scale, attn_scale
+
+
+class PastTokens:
+    """A stand-in KV cache for a probe: it says ``length`` tokens were seen before the call
+    and hands back the keys and values it is given, so a module that counts its positions
+    from the cache (Llama 4's temperature on q) computes them from ``length`` on, while
+    attending only over the call's own tokens, as the captured mask says. Stateless: the
+    probe's three runs see the same."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return key_states, value_states
+
+
+def _past_for_temperature(floor_scale: float, seq: int) -> int:
+    """How many past tokens put the first multiple of ``floor_scale`` in the middle of a
+    probe's ``seq`` positions (none where they already reach one): the temperature
+    changes inside the probe instead of being 1 at every position of a short sample."""
+    return max(int(floor_scale) - 1 - seq // 2, 0)
 
 
 def match_projections(module: nn.Module) -> MatchResult:
@@ -176,6 +252,9 @@ def match_projections(module: nn.Module) -> MatchResult:
     unsupported = _unsupported_positions(module)
     if unsupported is not None:
         return unsupported
+    temperature = _temperature(module)
+    if isinstance(temperature, Skip):
+        return temperature
     norms = next((n for n in QK_NORM_NAMES if all(name in module._modules for name in n)), None)
     dropouts = {name for name in DROPOUT_NAMES if isinstance(module._modules.get(name), nn.Dropout)}
     extra = sorted(set(module._modules) - set(names) - set(norms or ()) - dropouts)
@@ -212,24 +291,41 @@ def match_projections(module: nn.Module) -> MatchResult:
                     f"are one logit per query head ({num_heads})")
     scaling = float_attribute(module, "scaling", head_dim ** -0.5)
     config = getattr(module, "config", None)
-    rms_norms = None if norms is None else tuple(identify_rms_norm(module._modules[name]) for name in norms)
+    rms_norms = None if norms is None else tuple(_rms_norm_of(module._modules[name], head_dim) for name in norms)
     features = dict(qk_norms=norms, qk_norm_scope=scope or "head", sinks=sinks,
                     softcap=_optional_float(getattr(module, "attn_logit_softcapping", None)),
                     clip_qkv=_optional_float(getattr(config, "clip_qkv", None)),
-                    output_dropout=float_attribute(module, "residual_dropout", 0.0))
+                    output_dropout=float_attribute(module, "residual_dropout", 0.0), temperature=temperature)
+    # A temperature counts positions from the KV cache: its probe gets a stand-in cache.
+    cache_name = None if temperature is None else next(
+        (name for name in CACHE_ARGUMENTS if takes_argument(module, name)), None)
+    if temperature is not None and cache_name is None:
+        return Skip("its no-RoPE layer scales q by a position-dependent temperature (attn_temperature_tuning) "
+                    "but takes no KV cache argument to count positions from")
 
-    def inputs(batch: int, seq: int, table_width: int) -> ProbeInputs:
-        kwargs = {"position_embeddings": rotary_tables(batch, seq, table_width, module)}
+    def with_past_tokens(probe_inputs: ProbeInputs) -> ProbeInputs:
+        """``probe_inputs`` with a stand-in cache (:class:`PastTokens`) that makes the
+        temperature change inside the probe."""
+        hidden_states = probe_inputs.kwargs.get(_input_name(module),
+                                                probe_inputs.args[0] if probe_inputs.args else None)
+        seq = hidden_states.shape[-2] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2 else 1
+        past = PastTokens(_past_for_temperature(temperature[0], seq))
+        return ProbeInputs(probe_inputs.args, {**probe_inputs.kwargs, cache_name: past})
+
+    def inputs(batch: int, seq: int, table: tuple[str, int]) -> ProbeInputs:
+        kind, width = table
+        kwargs = {"position_embeddings": _rotary_inputs(kind, batch, seq, width, module)}
         return ProbeInputs((random_tensor((batch, seq, hidden), module),),
                            kwargs | _missing_arguments(module, set(kwargs)))
 
-    table_width = _table_width(module, lambda width: inputs(1, 2, width), head_dim)
-    if table_width is None:
+    table = _table_width(module, lambda kind, width: inputs(1, 2, (kind, width)), head_dim)
+    if table is None:
         return Skip(f"takes no rotary tables of {' or '.join(map(str, _table_widths(module, head_dim)))} values per "
-                    f"position (head_dim {head_dim}, or a pair's, or its rotated part's)")
+                    f"position (head_dim {head_dim}, or a pair's, or its rotated part's), as (cos, sin) or complex")
 
     def example(batch: int = PROBE_SHAPE[0], seq: int = PROBE_SHAPE[1]) -> ProbeInputs:
-        return inputs(batch, seq, table_width)
+        synthesized = inputs(batch, seq, table)
+        return synthesized if temperature is None else with_past_tokens(synthesized)
 
     def variant(rotary: str, fused_norms: bool, fused_rope: bool = True) -> Variant:
         def build(options: BuildOptions) -> FusedAttention:
@@ -239,6 +335,8 @@ def match_projections(module: nn.Module) -> MatchResult:
                 **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
                 fused_attention="attention" in options.enabled_rules, backend=options.backend)
         notes = ([] if rotary == "rotate_half" else [f"rotary: {rotary}"]) + \
+            ([] if temperature is None else ["q temperature-tuned (floor_scale {:g}, attn_scale {:g})".format(
+                *temperature)]) + \
             (["q/k norms run as the module's own"] if len(norm_choices) == 2 and not fused_norms else []) + \
             (["rotation on te_lab's reference math"] if not fused_rope and rotary != "none" else [])
         return Variant(build, note="; ".join(notes))
@@ -247,13 +345,14 @@ def match_projections(module: nn.Module) -> MatchResult:
     # probe found the fused rounding past its bar (its error against float64 more than
     # twice the module's), the module's own q/k norms, then the rotation on te_lab's
     # reference math as well, each row saying so.
-    styles = _rotary_styles(module)
+    styles = _rotary_styles(module, table[0])
     norm_choices = (True, False) if rms_norms is not None and None not in rms_norms else (False,)
     variants = [variant(rotary, norm_choices[0]) for rotary in styles]
     if len(norm_choices) == 2:
         variants += [variant(rotary, False) for rotary in styles]
     variants += [variant(rotary, False, fused_rope=False) for rotary in styles if rotary != "none"]
-    return Match(variants, example, probe_outputs=_attention_output)
+    return Match(variants, example, complete_inputs=None if temperature is None else with_past_tokens,
+                 probe_outputs=_attention_output)
 
 
 def match_qkv_projection(module: nn.Module) -> MatchResult:

@@ -71,6 +71,23 @@ def identify_rms_norm(norm: nn.Module) -> Optional[tuple[float, float]]:
     return None
 
 
+def identify_weightless_rms_norm(norm: nn.Module, width: int) -> Optional[float]:
+    """The ``eps`` of a norm without parameters that computes ``x * rsqrt(mean(x**2) + eps)``
+    over the last dim (Llama 4's ``qk_norm``), found by evaluating it on rows ``width``
+    wide; ``None`` for anything else (a LayerNorm without affine parameters, a norm with
+    weights: :func:`identify_rms_norm`)."""
+    eps = epsilon_of(norm)
+    if eps is None or norm._parameters or norm._modules:
+        return None
+    x = torch.randn((4, width), generator=torch.Generator(device="cpu").manual_seed(0)) * 3
+    y = _evaluated(norm, x)
+    if y is None:
+        return None
+    normalized = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    atol = rtol = TOLERANCES[torch.float32]["rtol"]
+    return eps if torch.allclose(y.double(), normalized, rtol=rtol, atol=atol) else None
+
+
 def describe_callable(fn: Any) -> str:
     return type(fn).__name__ if isinstance(fn, nn.Module) else getattr(fn, "__name__", type(fn).__name__)
 
@@ -137,3 +154,14 @@ def rotary_tables(batch: int, seq: int, head_dim: int, like: nn.Module, theta: f
     angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
     emb = torch.cat((angles, angles), dim=-1).expand(batch, seq, head_dim)
     return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def complex_rotary_tables(batch: int, seq: int, pairs: int, like: nn.Module, theta: float = 10000.0) -> Tensor:
+    """RoPE tables as complex frequencies (Llama 4's ``freqs_cis``): ``[batch, seq, pairs]``
+    unit complex numbers ``exp(i * position * inv_freq)``, complex64 (complex128 for a
+    float64 module), the rotation of each pair of dims."""
+    dtype, device = tensor_like(like)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float64) / (2 * pairs)))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    tables = torch.polar(torch.ones_like(angles), angles).expand(batch, seq, pairs)
+    return tables.to(device, torch.complex128 if dtype == torch.float64 else torch.complex64)
