@@ -173,8 +173,11 @@ def test_module_times_add_up_to_the_unprofiled_step_in_both_modes(llama_profile)
         modules_ms = sum(getattr(c, mode).total_ms for c in llama_profile.modules)
         assert modules_ms == pytest.approx(summary.step_median_ms, rel=0.10), mode
         assert summary.profiled_ratio == pytest.approx(summary.profiled_step_ms / summary.step_median_ms)
-        # on the CPU the profiler slows every op, so the correction only ever shrinks them
-        assert 0 < summary.attribution_scale <= 1 / min(summary.profiled_ratio, 1.0) + 1e-9
+        # on the CPU each recorded event's cost (measured in the step: well under 10 us) comes off the
+        # module it landed in, and what is left is scaled to the unprofiled step
+        assert 0 < summary.per_event_ms < 0.01 and summary.attribution_scale > 0
+        modules_only = sum(getattr(c, mode).total_ms for c in llama_profile.modules if c.key != OTHER_KEY)
+        assert modules_only <= summary.step_median_ms * (1 + 1e-9)
         warned = any(note.startswith(f"warning: the profiler slowed the {mode} step") for note in llama_profile.notes)
         assert warned == (summary.profiled_ratio > 1 + OVERHEAD_WARNING), mode
         assert summary.compiles == 0, mode  # warm-up ran every compile before the measured steps

@@ -10,7 +10,14 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import record_function
 
-from te_lab.profiler.attribution import NO_DEVICE_ACTIVITY_NOTE, attribute
+from te_lab.profiler import regions
+from te_lab.profiler.attribution import (
+    BACKWARD_PREFIX,
+    NO_DEVICE_ACTIVITY_NOTE,
+    StepTrace,
+    _add_wall_times,
+    attribute,
+)
 from te_lab.profiler.regions import PREFIX
 
 
@@ -135,3 +142,44 @@ def test_a_live_gpu_step_gets_the_same_figures_as_a_trace_file_would():
     assert figures["device idle: other"] == pytest.approx((500 + 400) / 2000)
     assert [(f.name, f.value) for f in device_figures(trace.kernels, 2_000, 4_000, 108, "fused", "x")] == \
         list(figures.items())
+
+
+def _node(name, start, end, sequence_nr, thread=1):
+    """An autograd node's event as the profiler gives it (what _add_wall_times reads)."""
+    return types.SimpleNamespace(name=BACKWARD_PREFIX + name, sequence_nr=sequence_nr, thread=thread, cpu_parent=None,
+                                 cpu_children=[], time_range=types.SimpleNamespace(
+                                     start=start, end=end, elapsed_us=lambda: end - start))
+
+
+def test_the_engines_gap_counts_for_a_module_only_between_its_own_nodes():
+    # module a's nodes at 0-10 and 12-20 us, then b's at 30-40 us: a gets its 2 us gap, the
+    # 10 us between a's last node and b's first are no one's ("(other)")
+    trace = StepTrace()
+    _add_wall_times(trace, [_node("A1", 0, 10, 7), _node("A2", 12, 20, 6), _node("B", 30, 40, 3)],
+                    {7: "a", 6: "a", 3: "b"})
+    assert trace.regions["a"].backward_ms == pytest.approx(0.020)
+    assert trace.regions["b"].backward_ms == pytest.approx(0.010)
+    assert trace.attributed_us == pytest.approx(30.0)
+    assert trace.events == {"a": [0, 2], "b": [0, 1]}  # one event per node (no children here)
+
+
+def test_each_keys_recorded_events_are_counted_and_the_per_event_cost_measured():
+    block, head = torch.nn.Linear(64, 48), torch.nn.Linear(48, 8)
+    x = torch.randn(32, 64, requires_grad=True)
+    with regions.labelled({"block": block, "head": head}):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            head(torch.relu(block(x))).sum().backward()
+    trace = attribute(profiler, "eager", None, on_gpu=False, costs=False)
+    events = [e for e in profiler.events() if e.device_type == DeviceType.CPU]
+    (block_region,) = [e for e in events if e.name == PREFIX + "block"]
+
+    def under(event):
+        return 1 + sum(under(child) for child in event.cpu_children)
+
+    forward, backward = trace.events["block"]
+    assert forward == under(block_region)  # the region, aten::linear and everything under it
+    assert backward >= 2  # at least the addmm's node and the weight's transpose node, with their ops
+    assert set(trace.events) == {"block", "head"}
+    assert sum(map(sum, trace.events.values())) <= trace.recorded_events == len(events)
+    # aten::linear is made of aten::t and aten::addmm: its time beyond theirs is the recording
+    assert 0.0 < trace.event_cost_us < 50.0

@@ -1,12 +1,17 @@
-"""te_lab.profiler.correction and .compiles: the factor that scales profiled op times to the
-unprofiled step, the overhead warning, and counting compilations (hand-made numbers;
+"""te_lab.profiler.correction, .measurement's median run and .compiles: the profiler's
+per-event cost taken off a module's time, the factor that scales profiled op times to the
+unprofiled step, profiled steps taken to one speed, the overhead warning, and counting
+compilations (hand-made numbers;
 the integration with a real profile is in test_profiler.py)."""
 
 import pytest
 import torch
 
 from te_lab.profiler import correction
+from te_lab.profiler.attribution import StepTrace
 from te_lab.profiler.compiles import CompileCounter
+from te_lab.profiler.measurement import Profiled, median_run, speed_factors
+from te_lab.profiler.report import Region
 
 
 def test_cpu_times_scale_by_unprofiled_over_profiled_step():
@@ -73,3 +78,34 @@ def test_the_compile_counter_counts_tritons_post_compile_hook_and_hands_it_on():
         assert owner.jit_post_compile_hook is previous  # put back as found
     finally:
         owner.jit_post_compile_hook = before
+
+
+def test_a_modules_recorded_events_cost_comes_off_its_own_time():
+    # 0.75 us per event: a norm of 80 events (0.25 ms profiled) loses 0.06 ms, an MLP of
+    # 100 events (4 ms) 0.075 ms: by events, not in proportion to time
+    per_event = 0.75e-3
+    assert correction.without_events(0.25, 80, per_event) == pytest.approx(0.19)
+    assert correction.without_events(4.0, 100, per_event) == pytest.approx(3.925)
+    assert correction.without_events(0.01, 80, per_event) == 0.0  # never below zero
+
+
+
+def _run(wall_ms, norm_ms):
+    trace = StepTrace(regions={"norm": Region(forward_ms=norm_ms / 2, backward_ms=norm_ms / 2)})
+    return Profiled(trace, wall_ms, None, "")
+
+
+def test_a_cpu_regions_profiled_time_is_taken_to_the_median_steps_speed():
+    # three profiled steps of 40, 50 and 80 ms (the last on a busy machine, everything slower):
+    # the norm's 1.0, 1.1 and 2.0 ms at the 50 ms median speed are 1.25, 1.1 and 1.25 ms
+    runs = [_run(40.0, 1.0), _run(50.0, 1.1), _run(80.0, 2.0)]
+    assert speed_factors(runs, wall_times=True) == pytest.approx([1.25, 1.0, 0.625])
+    merged = median_run(runs, wall_times=True)
+    assert merged.trace.regions["norm"].total_ms == pytest.approx(1.25)
+    assert merged.wall_ms == 50.0 and merged.trace.attributed_us == pytest.approx(1250.0)
+
+
+def test_gpu_kernel_times_are_not_taken_to_another_speed():
+    runs = [_run(40.0, 1.0), _run(50.0, 1.1), _run(80.0, 2.0)]
+    assert speed_factors(runs, wall_times=False) == [1.0, 1.0, 1.0]
+    assert median_run(runs, wall_times=False).trace.regions["norm"].total_ms == pytest.approx(1.1)

@@ -18,7 +18,7 @@ from . import compiles, correction, intervals
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .expert_load import FORMULA as EXPERT_LOAD_FORMULA
-from .measurement import Profiled
+from .measurement import Profiled, speed_factors
 from .modes import LOSS_KEY
 from .report import (
     OTHER_KEY,
@@ -38,17 +38,20 @@ FORMULAS = {
     "spread_ms": "half the interquartile range of the step times",
     "speedup": "eager step median / fused step median",
     "speedup_interval": intervals.FORMULA + " of the timed steps",
-    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, x the ratio of the modes' "
-                               "attribution scales",
+    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, each corrected as the module's "
+                               "time is (its events' cost off, x the mode's attribution scale)",
     "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
     "bytes_moved": BYTES_FORMULA,
     "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
     "traffic_change": "fused bytes moved / eager bytes moved - 1, summed over every module (estimates)",
     "region_time": "CPU: the module's wall time in the profiled steps (median over them; forward: its region "
                    "from entry to exit, nested regions left out; backward: the autograd nodes its forward made, "
-                   "each with the engine's gap before it); GPUs: its kernels' device time; x the mode's "
-                   "attribution scale",
+                   "with the engine's gaps between them), less its recorded events' cost; GPUs: its kernels' "
+                   "device time; x the mode's attribution scale",
     "attribution_scale": correction.FORMULA,
+    "per_event_ms": "CPU: what recording one event cost the profiled step: the median, over ATen ops made of "
+                    "ATen ops only, of (the op's time - its children's) / its children; taken off the module "
+                    "each event landed in",
     "profiled_ratio": correction.RATIO_FORMULA,
     "other": "unprofiled step median - the mode's scaled module times: ops no module owns (embeddings, residual "
              "adds, glue, optimizer steps) and the Python between modules",
@@ -101,14 +104,23 @@ def mode_summary(name: str, samples: list, profiled: Profiled, backward: bool, d
 
 
 def correct_to_unprofiled(report: ProfileReport, traces: dict, device_times: bool) -> None:
-    """Scale each mode's region times to its unprofiled step (:mod:`.correction`), and
-    note what the profiler cost and any compilation a measured step paid for."""
+    """Take the profiler's per-event cost off each mode's region times and scale them to
+    its unprofiled step (:mod:`.correction`), and note what the profiler cost and any
+    compilation a measured step paid for."""
     for mode, summary in report.modes.items():
         trace = traces[mode].trace
-        scale = correction.attribution_scale(summary.step_median_ms, summary.profiled_step_ms,
-                                             trace.attributed_us / 1e3,
-                                             # a GPU trace without device activity holds host times
-                                             device_times and bool(trace.kernels))
+        summary.per_event_ms = trace.event_cost_us / 1e3
+        for key, region in trace.regions.items():
+            forward_events, backward_events = trace.events.get(key, (0, 0))
+            before = region.total_ms
+            region.forward_ms = correction.without_events(region.forward_ms, forward_events, summary.per_event_ms)
+            region.backward_ms = correction.without_events(region.backward_ms, backward_events, summary.per_event_ms)
+            trace.attributed_us -= (before - region.total_ms) * 1e3
+        scale = correction.attribution_scale(
+            summary.step_median_ms, summary.profiled_step_ms - trace.recorded_events * summary.per_event_ms,
+            trace.attributed_us / 1e3,
+            # a GPU trace without device activity holds host times
+            device_times and bool(trace.kernels))
         for region in trace.regions.values():
             region.forward_ms *= scale
             region.backward_ms *= scale
@@ -170,35 +182,46 @@ def compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
                     region.gflops, region.gbs, region.total_ms))
 
 
-def per_round_totals(runs: dict) -> dict:
-    """key -> mode -> the key's time (ms, as profiled) in each profiled round, before
-    :func:`.measurement.median_run` replaces the first round's figures; "(other)" is the profiled wall
-    time no module accounts for."""
+def per_round_totals(runs: dict, wall_times: bool) -> dict:
+    """key -> mode -> the key's time (ms, as profiled, taken to the median wall time as
+    :func:`.measurement.median_run` takes it) in each profiled round, before
+    :func:`.measurement.median_run` replaces the first round's figures; "(other)" is the
+    profiled wall time no module accounts for."""
     totals: dict = {}
     for mode, profiled in runs.items():
-        for round_index, run in enumerate(profiled):
+        for round_index, (run, factor) in enumerate(zip(profiled, speed_factors(profiled, wall_times))):
             for key, region in run.trace.regions.items():
-                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms
+                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms * factor
             attributed = sum(region.total_ms for region in run.trace.regions.values())
-            totals.setdefault(OTHER_KEY, {}).setdefault(mode, {})[round_index] = max(run.wall_ms - attributed, 0.0)
+            totals.setdefault(OTHER_KEY, {}).setdefault(mode, {})[round_index] = max(
+                (run.wall_ms - attributed) * factor, 0.0)
     return totals
 
 
-def _scaled_rounds(per_round: dict, key: str, mode: str, scale: float) -> list:
-    """The key's per-round times scaled as the report's are (:func:`correct_to_unprofiled`)."""
+def _events_of(trace, key: str) -> int:
+    """The profiler events recorded inside ``key``'s time; for "(other)", those outside every key's."""
+    if key == OTHER_KEY:
+        return trace.recorded_events - sum(sum(counts) for counts in trace.events.values())
+    return sum(trace.events.get(key, (0, 0)))
+
+
+def _corrected_rounds(per_round: dict, key: str, mode: str, summary: ModeSummary, events: int) -> list:
+    """The key's per-round times corrected as the report's are (:func:`correct_to_unprofiled`)."""
     rounds = per_round.get(key, {}).get(mode, {})
-    return [rounds.get(i, 0.0) * scale for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
+    return [correction.without_events(rounds.get(i, 0.0), events, summary.per_event_ms) * summary.attribution_scale
+            for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
 
 
-def module_intervals(report: ProfileReport, per_round: dict) -> None:
+def module_intervals(report: ProfileReport, per_round: dict, traces: dict) -> None:
     """Each module's and op kind's speedup interval over the paired profiled rounds,
-    scaled as its times were; a note when "(other)", which fusion does not touch, changed
+    corrected as its times were; a note when "(other)", which fusion does not touch, changed
     measurably."""
     members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
     rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
     for comparison, keys in rows:
         eager, fused = ([sum(values) for values in zip(*(
-            _scaled_rounds(per_round, key, mode, report.modes[mode].attribution_scale) for key in keys))]
+            _corrected_rounds(per_round, key, mode, report.modes[mode], _events_of(traces[mode].trace, key))
+            for key in keys))]
             for mode in ("eager", "fused"))
         if len(eager) < 2 or len(eager) != len(fused) or comparison.speedup is None or min(fused) <= 0:
             continue

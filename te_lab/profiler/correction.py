@@ -6,39 +6,52 @@ more of it than its share of the step. So the steps that time modules record tim
 (measured on the 2-core CPU, about 1 us per event, against about 13 us with shapes, FLOPs
 and memory, which one detail step per mode records instead), and label module regions
 with torch's C++ region (1.4 us inside the region, against 8-20 us for
-``record_function``). Measured against each module timed alone, this took an eager norm
-from 77-117% above its share of the step to within the machine's noise; what remains is
-spread by one factor per mode:
+``record_function``). What the profiler still costs is taken off where it landed:
 
-- CPU (modules' wall times, slowed with the step): ``scale = unprofiled step median /
-  max(profiled step wall time, attributed time)``; every module's time is multiplied
-  by it, and "(other)" is the rest of the unprofiled step (ops no module owns, and the
-  Python between modules).
-- GPUs (device kernel times, which the profiler does not slow): ``scale = min(1,
-  unprofiled step median / attributed kernel time)``: kernel times stay as measured
-  unless they alone would exceed the step; "(other)" is again the rest of the step.
+- CPU (modules' wall times, slowed by every event recorded inside them): what recording
+  one event cost is measured in the step itself (``StepTrace.event_cost_us``: inside ATen
+  ops made of ATen ops, where nothing but the profiler runs between children, about
+  0.7 us on the 2-core CPU, steady within 0.1 us from step to step); each module's
+  forward and backward time loses its own events' share (``events x per_event_ms``),
+  then ``scale = unprofiled step median / max(profiled step wall time - recorded events x
+  per_event_ms, attributed time)`` spreads what is left. Measured against the same
+  modules timed by hooks inside unprofiled steps (``python -m
+  te_lab.benchmarks.module_alone``): one factor per mode instead over-charged the fused
+  norms by 11-18%, which record 3 events per 10 us of work where an MLP records 1 per
+  100 us; the profiled against unprofiled step time per event was no measure, moving
+  from 0.03 to 2 us between profiles of one model with the machine's noise.
+- GPUs (device kernel times, which the profiler does not slow): ``per_event_ms = 0``,
+  ``scale = min(1, unprofiled step median / attributed kernel time)``: kernel times stay
+  as measured unless they alone would exceed the step.
 
-Either way the modules plus "(other)" add up to the unprofiled step median. The
-scaling spreads what the profiler still costs in proportion to module time; where that
-cost is large (:data:`OVERHEAD_WARNING`) the report says so, since small ops carry more
-of it than large ones.
+Either way "(other)" is the rest of the unprofiled step (ops no module owns, and the
+Python between modules), so the modules plus "(other)" add up to the unprofiled step
+median. Where the profiler's cost is large (:data:`OVERHEAD_WARNING`) the report says so.
 """
 
 from __future__ import annotations
 
 OVERHEAD_WARNING = 0.25  # profiled step / unprofiled step - 1 above which the report warns
 
-FORMULA = ("each mode's module times x scale, scale = unprofiled step median / max(profiled step wall time, "
-           "attributed time) on the CPU (module wall times slow with the step), min(1, unprofiled "
-           "step median / attributed kernel time) on GPUs (kernel times are not); (other) = unprofiled step "
-           "median - scaled module times, so the rows add up to the unprofiled step")
+FORMULA = ("on the CPU (module wall times slow by each event the profiler records in them): each module's "
+           "(time - its recorded events x per-event cost) x scale, per-event cost measured in the step (inside "
+           "ATen ops made of ATen ops, their time beyond their children's per child, median), scale = "
+           "unprofiled step median / max(profiled step wall time - events x per-event cost, attributed time); "
+           "on GPUs (kernel times, not slowed): time x min(1, unprofiled step median / attributed kernel time); "
+           "(other) = unprofiled step median - corrected module times, so the rows add up to the unprofiled step")
 RATIO_FORMULA = ("profiled step wall time (median over profiled steps) / unprofiled step median; the "
                  f"report warns when it passes {1 + OVERHEAD_WARNING:.2f}")
 
 
+def without_events(time_ms: float, events: int, event_ms: float) -> float:
+    """A module's time less what its ``events`` recorded events cost (never below 0)."""
+    return max(time_ms - events * event_ms, 0.0)
+
+
 def attribution_scale(unprofiled_ms: float, profiled_ms: float, attributed_ms: float, device_times: bool) -> float:
-    """The factor applied to one mode's attributed times (see the module doc); 1.0 where a
-    time is missing (nothing to scale by)."""
+    """The factor applied to one mode's attributed times once the events' cost is off them
+    (``profiled_ms`` likewise; see the module doc); 1.0 where a time is missing (nothing
+    to scale by)."""
     if unprofiled_ms <= 0:
         return 1.0
     if device_times:

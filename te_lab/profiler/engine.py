@@ -208,15 +208,16 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                 else:
                     details[mode.name] = profiled
                 advance()
-        per_round = assembly.per_round_totals(runs)
-        traces = {name: measurement.with_details(measurement.median_run(profiled), details[name])
+        wall_times = not devices.is_gpu(dev)
+        per_round = assembly.per_round_totals(runs, wall_times)
+        traces = {name: measurement.with_details(measurement.median_run(profiled, wall_times), details[name])
                   for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = assembly.mode_summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
         report.modes[mode.name].compiles = compile_counters[mode.name].count
     assembly.correct_to_unprofiled(report, traces, devices.is_gpu(dev))
     assembly.compare(report, traces, key_info)
-    assembly.module_intervals(report, per_round)
+    assembly.module_intervals(report, per_round, traces)
     assembly.utilization(report, samples, sampler, traces, dev)
     report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
     report.utilization_series = [vars(series) for series in sampler.series]

@@ -27,9 +27,11 @@ OTHER_KEY = "(other)"  # the row of step time no module accounts for
 @dataclass
 class ModeSummary:
     """One mode's step: medians over the timed (unprofiled) steps, and what the
-    profiled steps showed (launches, peak memory). ``attribution_scale`` is the factor
-    the profiled op times were multiplied by so the modules add up to the unprofiled
-    step (:mod:`te_lab.profiler.correction`); ``compiles`` counts compilation events
+    profiled steps showed (launches, peak memory). ``per_event_ms`` is what each event the
+    profiler recorded cost the profiled step (taken off the module it landed in, on the
+    CPU), and ``attribution_scale`` the factor the profiled module times were then
+    multiplied by so the modules add up to the unprofiled step
+    (:mod:`te_lab.profiler.correction`); ``compiles`` counts compilation events
     during the mode's timed and profiled steps (:mod:`te_lab.profiler.compiles`)."""
 
     mode: str
@@ -48,6 +50,7 @@ class ModeSummary:
     communication_ms: Optional[float] = None  # profiled step; None where it ran no collective
     collectives: int = 0
     attribution_scale: float = 1.0
+    per_event_ms: float = 0.0
     compiles: int = 0
 
     @property

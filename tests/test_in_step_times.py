@@ -1,0 +1,69 @@
+"""te_lab.benchmarks.in_step_times: modules timed by hooks inside a step, the ground truth
+the profile's module figures are checked against (tests/test_profiler_ground_truth.py).
+Known sleeps in a module's forward and in its backward are what the hooks must find,
+each in its own phase, and a module called twice counts twice."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from te_lab.benchmarks.in_step_times import InStepTimes
+
+FORWARD_S, BACKWARD_S = 0.02, 0.03
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(BACKWARD_S)
+        return grad * 2
+
+
+class Slow(nn.Module):
+    """A linear whose forward sleeps FORWARD_S and whose backward sleeps BACKWARD_S."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(FORWARD_S)
+        return SleepInBackward.apply(self.linear(x)).relu()
+
+
+def test_a_modules_forward_and_backward_are_timed_in_the_step():
+    slow, fast = Slow(), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with InStepTimes({"slow": slow, "fast": fast}) as times:
+        fast(slow(torch.tanh(x))).sum().backward()
+        measured = times.take()
+    slow_forward, slow_backward = measured["slow"]
+    assert FORWARD_S * 1e3 <= slow_forward < (FORWARD_S + 0.015) * 1e3
+    assert BACKWARD_S * 1e3 <= slow_backward < (BACKWARD_S + 0.015) * 1e3
+    fast_forward, fast_backward = measured["fast"]
+    assert 0 < fast_forward < 5 and 0 < fast_backward < 5  # no sleep of the other module in them
+    assert times.take() == {"slow": (0.0, 0.0), "fast": (0.0, 0.0)}  # take starts over
+
+
+def test_a_module_called_twice_counts_both_calls_and_hooks_go_with_the_block():
+    slow = Slow()
+    x = torch.randn(4, 8, requires_grad=True)
+    with InStepTimes({"slow": slow}) as times:
+        slow(slow(x)).sum().backward()
+        forward, backward = times.take()["slow"]
+    assert forward >= 2 * FORWARD_S * 1e3 and backward >= 2 * BACKWARD_S * 1e3
+    assert not slow._forward_hooks and not slow._forward_pre_hooks
+
+
+def test_a_module_without_gradients_has_no_backward_time():
+    slow = Slow()
+    with InStepTimes({"slow": slow}) as times, torch.no_grad():
+        slow(torch.randn(4, 8))
+        forward, backward = times.take()["slow"]
+    assert forward >= FORWARD_S * 1e3 and backward == pytest.approx(0.0)
