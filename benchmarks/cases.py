@@ -350,8 +350,12 @@ MOE_EXPERTS, MOE_TOP_K = 32, 4
 
 
 def eager_moe_block(x, router, gate_up, down, top_k=MOE_TOP_K):
-    """What Hugging Face's Qwen3-MoE block runs in eager mode (its router, then its experts'
-    loop over the experts that received tokens), written out: the baseline of ``moe``."""
+    """Hugging Face's Qwen3-MoE block with its ``"eager"`` experts implementation (its
+    router, then a Python loop over the experts that received tokens), written out: the
+    baseline of ``moe``. It was the default through transformers 5.24; from 5.25 the
+    default is ``"grouped_mm"`` (one ``torch._grouped_mm`` per projection over all experts),
+    which this case does not time: the 2-layer Qwen3-MoE model benchmark runs the library's
+    default."""
     logits = F.linear(x, router)
     weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), top_k, dim=-1)
     weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
