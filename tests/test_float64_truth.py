@@ -2,6 +2,7 @@
 of its tensors and leaves the tensors themselves untouched, so DDP's gradient hooks, which
 sit on each parameter's gradient-accumulating autograd node, keep firing afterwards."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,3 +46,37 @@ def test_a_tensor_two_modules_share_gets_one_float64_copy():
     with float64_run([nn.ModuleList([embedding, head])]) as stand_in:
         assert head.weight is embedding.weight is stand_in(embedding.weight)
     assert head.weight.dtype == torch.float32 and head.weight is embedding.weight
+
+
+class GroupedExperts(nn.Module):
+    """Hugging Face's grouped-GEMM MoE experts: rows sorted by expert, one torch._grouped_mm."""
+
+    def __init__(self, experts=3, hidden=4, width=8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, hidden, width))
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.weight, offs=offs)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm arrived in torch 2.8")
+def test_grouped_matmuls_run_in_float64_one_group_at_a_time_where_asked():
+    torch.manual_seed(0)
+    experts = GroupedExperts()
+    x = torch.randn(7, 4)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)  # an empty group; the last row in none
+    in_float32 = experts(x, offs)
+    with float64_run([experts], grouped_mm=True) as stand_in:
+        wide = x.double().requires_grad_()
+        out = experts(wide, offs)
+        weight = stand_in(experts.weight)
+        out.sum().backward()
+    assert out.dtype == torch.float64 and experts.weight.dtype == torch.float32
+    expected = torch.cat([wide[:2] @ weight[0], wide[2:6] @ weight[2], torch.zeros(1, 8, dtype=torch.float64)])
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out[:6].float(), in_float32[:6], rtol=1e-5, atol=1e-5)
+    assert weight.grad is not None and torch.equal(weight.grad[1], torch.zeros(4, 8, dtype=torch.float64))
+    torch.testing.assert_close(wide.grad[0], weight.detach()[0].sum(-1))
+    # Unasked (a probe of an MoE block alone), the float64 run fails, and the probe compares with the original.
+    with pytest.raises(RuntimeError), float64_run([experts]):
+        experts(x.double(), offs)

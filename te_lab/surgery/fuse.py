@@ -259,7 +259,8 @@ class _Fuser:
             with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module), \
                     recording_choices() as self.ran:
                 return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
-                             match.probe_outputs, truth_roots=[module])
+                             match.probe_outputs, truth_roots=[module],
+                             whole_model_head=module.get_submodule(twin.head_name) if match.replaces_forward else None)
         except torch.OutOfMemoryError:
             raise  # the device's state, not the twin's verdict: fuse stops and undoes its swaps
         except Exception as error:  # noqa: BLE001 - a failing probe means "do not swap"

@@ -189,13 +189,19 @@ def _rows(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() >= 2 else tensor.reshape(1, -1)
 
 
-def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true: Tensor) -> Difference:
+def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true: Tensor, *,
+          expected_again: Optional[Tensor] = None, whole_tensor: bool = False) -> Difference:
     """The twin's ``actual`` against the float64 ``true`` values, given the original's
     ``expected`` in the working dtype: row by row (over the last dimension), the twin's
     largest error may be :func:`~te_lab.kernels.precision.error_budget` of the
     original's largest error in that row and the row's largest true value. Rows keep one
     outlier channel from setting the bar for every token, and a row's maximum is a
-    stable measure of a dtype's rounding where one element's error is chance."""
+    stable measure of a dtype's rounding where one element's error is chance.
+
+    ``expected_again``: the original's values from a second float32 computation of the same
+    math (:func:`rerounded_gradient`); the original's error is then, per row, the larger of
+    the two. ``whole_tensor``: the tensor is one row (a whole-model probe's gradients, see
+    :func:`probe`)."""
     actual, expected, settled = _comparable(name, actual, expected)
     if settled is not None:
         return settled
@@ -208,10 +214,14 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
         # errors against non-finite values prove nothing either way
         return Difference(name, float("nan"), float("nan"), True, "", f"the original's {name} holds NaN or infinity",
                           actual.numel())
+    rows = (lambda tensor: tensor.reshape(1, -1)) if whole_tensor else _rows
     twin_error = torch.nan_to_num_(actual.detach().to(torch.float64, copy=True).sub_(t).abs_(), nan=float("inf"))
     original_error = expected.detach().to(torch.float64, copy=True).sub_(t).abs_()
-    twin_rows, original_rows = _rows(twin_error).amax(1), _rows(original_error).amax(1)
-    true_rows = torch.maximum(_rows(t).amax(1), _rows(t).amin(1).neg())
+    if expected_again is not None and expected_again.shape == expected.shape:
+        original_error = torch.maximum(original_error, torch.nan_to_num_(
+            expected_again.detach().to(torch.float64, copy=True).sub_(t).abs_(), nan=0.0))
+    twin_rows, original_rows = rows(twin_error).amax(1), rows(original_error).amax(1)
+    true_rows = torch.maximum(rows(t).amax(1), rows(t).amin(1).neg())
     tolerance_dtype = _tolerance_dtype(expected)
     allowed = error_budget(original_rows, true_rows, tolerance_dtype)
     excess = twin_rows - allowed
@@ -222,11 +232,12 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
     if not within:
         row = int(excess.argmax())
         tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
+        where, largest = ("", "the largest value") if whole_tensor else \
+            (f" (row {row} of {len(twin_rows)})", "the row's largest value")
         failure = (f"{name} is {float(twin_rows[row]):.3g} from the float64 truth where the original's own error is "
-                   f"{float(original_rows[row]):.3g} (row {row} of {len(twin_rows)}); the "
+                   f"{float(original_rows[row]):.3g}{where}; the "
                    f"{_dtype_label(tolerance_dtype, expected)} bar is {ERROR_FACTOR:g} x the original's error + "
-                   f"{tolerance['atol']:g} + {tolerance['rtol']:g} x the row's largest value = "
-                   f"{float(allowed[row]):.3g}")
+                   f"{tolerance['atol']:g} + {tolerance['rtol']:g} x {largest} = {float(allowed[row]):.3g}")
     return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_error.max()))
 
 
@@ -347,11 +358,11 @@ def forward_backward(fn: Callable, prepared: ProbeInputs, differentiable: list[t
 
 def _float64_truth(original: Callable, inputs: ProbeInputs, constant: frozenset,
                    parameters: list[tuple[str, nn.Parameter]], select: Callable[[Any], list[Tensor]],
-                   roots: Sequence[nn.Module]):
+                   roots: Sequence[nn.Module], grouped_mm: bool = False):
     """Outputs and gradients of ``original`` run in float64 (see :mod:`.truth`), or
     ``(None, None, why not)``."""
     try:
-        with float64_run(roots) as stand_in:
+        with float64_run(roots, grouped_mm=grouped_mm) as stand_in:
             wide = ProbeInputs(to_float64(inputs.args), to_float64(inputs.kwargs))
             prepared, names = prepare(original, wide, constant)
             wide_parameters = [(name, stand_in(parameter)) for name, parameter in parameters]
@@ -361,12 +372,58 @@ def _float64_truth(original: Callable, inputs: ProbeInputs, constant: frozenset,
     return [t.detach() for t in outputs], [None if g is None else g.detach() for g in grads], ""
 
 
+# The second float32 computation of a whole-model probe's original (:func:`rerounded_gradient`)
+# draws its changes to the head's gradient from this seed.
+REROUNDING_SEED = 1
+
+
+def rerounded_gradient(fn: Callable, module: nn.Module) -> Callable:
+    """``fn`` with the gradient that flows back into ``module``'s output rounded differently:
+    each element multiplied by ``1 + u x eps`` (``u`` uniform in [-1, 1], seeded; ``eps`` the
+    gradient dtype's machine epsilon), a rounding or two away from the gradient ``fn``
+    computes itself, as any other correct computation of that output's gradient (a
+    different summation order, a chunked or fused loss) would be. Everything upstream of
+    ``module`` then runs its backward on a gradient as valid as the first: a second float32
+    computation of the same math, whose error against the truth is the original's own error
+    measured twice."""
+    def rerounded(grad: Tensor) -> Tensor:
+        generator = torch.Generator(device=grad.device).manual_seed(REROUNDING_SEED)
+        u = torch.rand(grad.shape, generator=generator, device=grad.device, dtype=torch.float32)
+        return (grad.float() * u.mul_(2 * torch.finfo(grad.dtype).eps).add_(1 - torch.finfo(grad.dtype).eps)).to(
+            grad.dtype)
+
+    def hook(_module, _args, output):
+        if isinstance(output, Tensor) and output.requires_grad and output.is_floating_point():
+            output.register_hook(rerounded)
+
+    def run(*args, **kwargs):
+        handle = module.register_forward_hook(hook)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            handle.remove()
+
+    return run
+
+
 def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: list[tuple[str, nn.Parameter]],
           constant: frozenset, select: Optional[Callable[[Any], list[Tensor]]] = None,
-          truth_roots: Sequence[nn.Module] = ()) -> ProbeResult:
+          truth_roots: Sequence[nn.Module] = (), whole_model_head: Optional[nn.Module] = None) -> ProbeResult:
     """Judge ``fused`` against ``original`` on ``inputs`` (see the module doc; the caller
     holds :func:`quiet_state`). ``truth_roots``: the modules whose parameters and buffers
-    the float64 run of ``original`` holds in float64 (none: compare with the original)."""
+    the float64 run of ``original`` holds in float64 (none: compare with the original).
+
+    ``whole_model_head``: the head of a whole-model probe (the LM head + loss, whose twin
+    replaces the model's forward and shares its whole body with the original). Each
+    parameter's gradient then comes back through every layer of the body, whose float32
+    backward (a saturated softmax's cancellation, most of all) turns any rounding-sized
+    change of the head's gradient into an error of the size of the original's own: a row
+    of a weight gradient, a sum over a few tokens of one output feature's errors, holds one
+    random draw of it (measured on real-like Gemma 4, OLMo 3 and LFM2: the original with
+    its head's gradient rounded differently missed its own row bar by up to 8x). So
+    gradients are judged over the whole tensor, whose largest error is a maximum over every
+    row, and the original's error is measured twice, the second time with its head's
+    gradient rounded differently (:func:`rerounded_gradient`), the bar taking the larger."""
     select = select or output_tensors
     prepared, names = prepare(original, inputs, constant)
     expected, expected_grads = forward_backward(original, prepared, names, parameters, select)
@@ -376,20 +433,27 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
         return ProbeResult(False, float("inf"), float("inf"), None, None,
                            f"returns {len(actual)} tensor(s) where the original returns {len(expected)}")
     truth, truth_grads, no_truth = (None, None, "no float64 run was asked for") if not truth_roots else \
-        _float64_truth(original, inputs, constant, parameters, select, truth_roots)
+        _float64_truth(original, inputs, constant, parameters, select, truth_roots, whole_model_head is not None)
     if truth is not None and len(truth) != len(expected):
         truth, truth_grads, no_truth = None, None, "the original's float64 run returns other outputs"
+    again, again_grads = [None] * len(expected), [None] * len(expected_grads)
+    if truth is not None and whole_model_head is not None:
+        prepared, again_names = prepare(original, inputs, constant)
+        again, again_grads = forward_backward(rerounded_gradient(original, whole_model_head), prepared, again_names,
+                                              parameters, select)
+        again, again_grads = _padded(again, len(expected)), _padded(again_grads, len(expected_grads))
 
-    def verdict(name: str, a: Optional[Tensor], e: Optional[Tensor], true: Optional[Tensor], normwise: bool):
+    def verdict(name: str, a: Optional[Tensor], e: Optional[Tensor], true: Optional[Tensor], e_again: Optional[Tensor],
+                gradient: bool):
         if truth is None or true is None:
-            return compare(name, a, e, normwise=normwise)
-        return judge(name, a, e, true)
+            return compare(name, a, e, normwise=gradient)
+        return judge(name, a, e, true, expected_again=e_again, whole_tensor=gradient and whole_model_head is not None)
 
     output_names = [f"output {i}" if len(expected) > 1 else "output" for i in range(len(expected))]
-    outputs = [verdict(name, a, e, None if truth is None else truth[i], False)
+    outputs = [verdict(name, a, e, None if truth is None else truth[i], again[i], False)
                for i, (name, a, e) in enumerate(zip(output_names, actual, expected))]
     grad_names = [f"grad of input {name}" for name, _ in names] + [f"grad of {name}" for name, _ in parameters]
-    grads = [verdict(name, a, e, None if truth_grads is None else truth_grads[i], True)
+    grads = [verdict(name, a, e, None if truth_grads is None else truth_grads[i], again_grads[i], True)
              for i, (name, a, e) in enumerate(zip(grad_names, actual_grads, expected_grads))]
     failures = [d for d in outputs + grads if not d.within_tolerance]
     worst_out = max(outputs, key=lambda d: d.max_abs, default=Difference("output", 0.0, 0.0, True))
@@ -401,6 +465,10 @@ def probe(original: Callable, fused: Callable, inputs: ProbeInputs, parameters: 
                        None if worst_grad is None else worst_grad.max_rel, reason, vacuous,
                        _largest(d.original_max_abs for d in outputs), _largest(d.original_max_abs for d in grads),
                        "float64" if truth is not None else no_truth)
+
+
+def _padded(values: list, length: int) -> list:
+    return (list(values) + [None] * length)[:length]
 
 
 def _largest(values) -> Optional[float]:
