@@ -32,7 +32,8 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 BATCH, SEQ = 2, 16
 # model_type -> config overrides on TINY (token ids inside the tiny vocabulary, windows
-# shorter than the sample so sliding-window layers do mask, no dropout).
+# shorter than the sample so sliding-window layers do mask, no dropout); a key that is not a
+# model type names a variant of one, given as the "model_type" override.
 FAMILIES = {
     "llama": {},
     "mistral": dict(sliding_window=8),
@@ -62,6 +63,16 @@ FAMILIES = {
                  eos_token_id=127),
     # Multi-query query_key_value ([q heads | k | v]) and a `dense` output projection.
     "falcon": dict(head_dim=None, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Falcon's new decoder architecture: query_key_value interleaved per key-value group
+    # ([2 groups, 2 query heads + k + v, head_dim]), a LayerNorm each for attention and MLP.
+    "falcon_new_decoder": dict(model_type="falcon", new_decoder_architecture=True, num_kv_heads=2, head_dim=None,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # GPT-NeoX (Pythia): query_key_value interleaved per head ([heads, 3 * head_dim]), rotate-half
+    # over the first quarter of each head (rotary_pct 0.25), a `dense` output projection.
+    "gpt_neox": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # Persimmon (Fuyu's language model): the same interleave, per-head LayerNorm q/k norms
+    # (called as they are), half of each head rotated.
+    "persimmon": dict(qk_layernorm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # A RoPE layer (complex frequencies, then a weightless qk_norm) with chunked attention
     # (chunks of 8), a no-RoPE layer with temperature tuning (floor_scale 4: the temperature
     # changes every 4 positions of the sample and of the generated tokens) and an MoE block.
@@ -105,11 +116,12 @@ DENSE_MLP_RULES = ("swiglu_mlp", "mlp", "geglu_mlp", "gated_mlp")
 def build(model_type, **changes):
     """The family's tiny real-like model; ``changes`` override its config further."""
     overrides = dict(FAMILIES[model_type]) | changes
+    config_type = overrides.pop("model_type", model_type)
     tiny = {} if model_type == "gpt2" else dict(TINY)
     if overrides.get("head_dim", 0) is None:
         tiny.pop("head_dim")
         overrides.pop("head_dim")
-    config = transformers.AutoConfig.for_model(model_type, **(tiny | overrides))
+    config = transformers.AutoConfig.for_model(config_type, **(tiny | overrides))
     for name in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "residual_dropout",
                  "hidden_dropout", "embedding_dropout"):
         if hasattr(config, name):
@@ -351,13 +363,31 @@ TWIN_CASES = [
     ("starcoder2", ""),
     # Complex frequencies over interleaved pairs, then a weightless qk_norm (inside te_lab's rope).
     ("llama4_text", "rotary: interleaved_complex_tables"),
+    # One query_key_value interleaved per key-value group / per head (partial rotary, and
+    # Persimmon's per-head LayerNorm q/k norms).
+    ("falcon_new_decoder", "q/k/v interleaved per key-value group"),
+    ("gpt_neox", "q/k/v interleaved per head"),
+    ("persimmon", "q/k/v interleaved per head"),
 ]
+
+
+def decoder(model):
+    """The decoder under the LM head: ``model``, GPT-NeoX's ``gpt_neox``, Falcon's ``transformer``."""
+    return model.model if hasattr(model, "model") else model.base_model
+
+
+def first_attention(model):
+    """The first layer's attention (``self_attn``, GPT-NeoX's ``attention``, Falcon's
+    ``self_attention``)."""
+    base = decoder(model)
+    layer = (base.layers if hasattr(base, "layers") else base.h)[0]
+    return next(getattr(layer, name) for name in ("self_attn", "attention", "self_attention") if hasattr(layer, name))
 
 
 def rotary_tables(model, attention, hidden, positions):
     """The model's (cos, sin) for ``attention``'s layer (Gemma 3 keeps one table per layer
     type), or its one complex tensor of frequencies (Llama 4)."""
-    rotary = model.model.rotary_emb
+    rotary = decoder(model).rotary_emb
     per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_type = getattr(attention, "original", attention).layer_type if per_layer_type else None
     return rotary(hidden, positions, **({"layer_type": layer_type} if per_layer_type else {}))
@@ -372,7 +402,7 @@ def test_attention_twin_computes_the_module_in_float64(model_type, note):
     from te_lab.surgery.rules import BuildOptions, Match
 
     model = build(model_type).double()
-    module = model.model.layers[0].self_attn
+    module = first_attention(model)
     match = match_attention(module)
     assert isinstance(match, Match), match
     variant = next(v for v in match.variants if v.note == note)
@@ -567,3 +597,62 @@ def test_a_llama4_twin_that_skips_the_qk_norm_is_refused_by_the_probe(monkeypatc
                          progress=False)
     _llama4_refused(report, "model.layers.0.self_attn")
     assert next(row for row in report.rows if row.path == "model.layers.1.self_attn").status == "fused"
+
+
+# ---- fused projections that interleave q, k and v per head or per key-value group ----------
+
+@pytest.mark.parametrize("model_type, layout, note", [
+    ("falcon", "blocks", ""),  # one key-value head: [q heads | k | v]
+    ("phi3", "blocks", ""),  # grouped-query widths, [q | k | v] blocks
+    ("falcon_new_decoder", "grouped", "q/k/v interleaved per key-value group"),
+    ("gpt_neox", "grouped", "q/k/v interleaved per head"),
+    ("persimmon", "grouped", "q/k/v interleaved per head"),
+])
+def test_fused_qkv_projections_fuse_with_the_layout_the_probe_kept(model_type, layout, note):
+    """The layout of one fused q/k/v projection is found by the probe (each candidate split
+    tried), not read off the class or its attributes; the row names it where it is not
+    [q | k | v] blocks."""
+    model, _, report = fused_pair(model_type)
+    rows = [row for row in report.rows if row.rule == "attention"]
+    assert len(rows) == layer_count(model)
+    for row in rows:
+        assert row.status == "fused", row.reason
+        assert model.get_submodule(row.path).qkv_layout == layout
+        assert (note in row.variant.split("; ")) if note else "interleaved per" not in row.variant, row.variant
+
+
+@pytest.mark.parametrize("model_type, wrong_layout", [("gpt_neox", "blocks"), ("falcon_new_decoder", "blocks"),
+                                                      ("phi3", "grouped")])
+def test_a_twin_splitting_the_fused_projection_wrongly_is_refused_by_the_probe(monkeypatch, model_type,
+                                                                                wrong_layout):
+    """A twin that reads an interleaved projection as [q | k | v] blocks (or blocks as
+    interleaved per group), whatever layout the rule asked for, misses the float64 truth in
+    every rotation and is refused."""
+    from te_lab.modules import FusedAttention
+
+    model = build(model_type)
+    original_init = FusedAttention.__init__
+
+    def wrong_split(self, original, **options):
+        original_init(self, original, **{**options, "qkv_layout": wrong_layout})
+
+    monkeypatch.setattr(FusedAttention, "__init__", wrong_split)
+    ids = sample_ids()
+    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
+                         progress=False)
+    rows = [row for row in report.rows if row.rule == "attention"]
+    assert len(rows) == layer_count(model)
+    for row in rows:
+        assert row.status == "skipped", f"{row.path} was fused: {row}"
+        assert "from the float64 truth where the original's own error is" in row.reason, row.reason
+
+
+def test_falcon_alibi_stays_refused_with_its_reason():
+    model = build("falcon", alibi=True)
+    ids = sample_ids()
+    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
+                         progress=False)
+    rows = [row for row in report.rows if row.rule == "attention"]
+    assert len(rows) == layer_count(model)
+    for row in rows:
+        assert row.status == "skipped" and "ALiBi position biases (config.alibi) are not covered" in row.reason

@@ -3,8 +3,11 @@ of q and k is one pass (``rope``), and softmax attention is the block-wise
 kernel that never holds the score matrix (``attention``).
 
 - :class:`FusedAttention`: q/k/v projections, separate (``q_proj``/``k_proj``/``v_proj``:
-  Llama, Mistral, Qwen, Gemma, OLMo, gpt-oss, ...) or one ``[q | k | v]`` projection with
-  grouped-query widths (Phi-3's ``qkv_proj``), and an output projection; RoPE from
+  Llama, Mistral, Qwen, Gemma, OLMo, gpt-oss, ...) or one fused projection in either of
+  :data:`QKV_LAYOUTS`: ``[q | k | v]`` with grouped-query widths (Phi-3's ``qkv_proj``,
+  Falcon's multi-query ``query_key_value``), or q, k and v interleaved per key-value group
+  (Falcon's ``new_decoder_architecture``) or per head (GPT-NeoX, Persimmon, Falcon's
+  ``multi_query=False``), and an output projection; RoPE from
   ``position_embeddings`` ``(cos, sin)`` or complex frequencies (Llama 4's ``freqs_cis``)
   in any of :data:`ROTARY_STYLES`, over all or the first dims of each head (partial
   rotary: the tables' width says how many); optional q/k norms (QK-norm: Qwen3, Gemma 3,
@@ -62,6 +65,14 @@ ROTARY_STYLES = ("rotate_half", "rotate_half_pair_tables", "interleaved", "inter
                  "interleaved_complex_tables", "none")
 # The styles whose position_embeddings is one complex tensor rather than (cos, sin).
 COMPLEX_TABLE_STYLES = ("interleaved_complex_tables",)
+# How one fused projection's output holds q, k and v: "blocks" ``[q heads | k heads | v
+# heads]`` (Phi-3's qkv_proj, Falcon's multi-query query_key_value); "grouped" per key-value
+# group, ``[kv_heads, heads // kv_heads + 2, head_dim]``: each group's query heads, then its
+# key head and its value head (Falcon's new_decoder_architecture), which with one query head
+# per group is ``[heads, 3, head_dim]``, q, k and v interleaved per head (GPT-NeoX, whose
+# ``[heads, 3 * head_dim]`` view chunked in three is the same; Persimmon; Falcon's
+# multi_query=False). With one key-value head both layouts are the same.
+QKV_LAYOUTS = ("blocks", "grouped")
 # Where q/k norms apply: over each head's dims (Qwen3, Gemma 3, Cohere) or over the whole
 # projection output before it is split into heads (OLMo 2).
 QK_NORM_SCOPES = ("head", "projection")
@@ -161,7 +172,8 @@ class FusedAttention(_FusedSelfAttention):
     """q/k/v and output projections with RoPE.
 
     ``projections``: ``(q, k, v, out)`` child names, or ``(qkv, out)`` for one projection
-    whose output is ``[q | k | v]`` (``num_heads`` and ``num_kv_heads`` heads wide).
+    giving ``num_heads`` query and ``num_kv_heads`` key and value heads, laid out as
+    ``qkv_layout`` says (one of :data:`QKV_LAYOUTS`).
     ``rotary``: one of :data:`ROTARY_STYLES`. ``qk_norms``: the ``(q, k)`` norm children,
     applied over each head or the whole projection (``qk_norm_scope``); with
     ``qk_rms_norms`` (``(eps, weight_offset)`` of each, found by the rule) they run on the
@@ -190,13 +202,15 @@ class FusedAttention(_FusedSelfAttention):
                  qk_rms_norms: Optional[tuple[tuple[float, float], tuple[float, float]]] = None,
                  sinks: Optional[str] = None, softcap: Optional[float] = None, clip_qkv: Optional[float] = None,
                  output_dropout: float = 0.0, temperature: Optional[tuple[float, float]] = None,
-                 fused_rope: bool = True, **options):
+                 qkv_layout: str = "blocks", fused_rope: bool = True, **options):
         super().__init__(original, **options)
         if len(projections) not in (2, 4):
             raise ValueError(f"FusedAttention: projections must be (q, k, v, out) or (qkv, out) child names, "
                              f"got {projections!r}")
         if rotary not in ROTARY_STYLES:
             raise ValueError(f"FusedAttention: rotary must be one of {ROTARY_STYLES}, got {rotary!r}")
+        if qkv_layout not in QKV_LAYOUTS:
+            raise ValueError(f"FusedAttention: qkv_layout must be one of {QKV_LAYOUTS}, got {qkv_layout!r}")
         if qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"FusedAttention: qk_norm_scope must be one of {QK_NORM_SCOPES}, got {qk_norm_scope!r}")
         self.input_names, self.o_name = projections[:-1], projections[-1]
@@ -204,6 +218,7 @@ class FusedAttention(_FusedSelfAttention):
         self.qk_rms_norms = qk_rms_norms if qk_norms is not None else None
         self.sinks_name, self.softcap, self.clip_qkv = sinks, softcap, clip_qkv
         self.output_dropout, self.temperature = output_dropout, temperature
+        self.qkv_layout = qkv_layout
         self.fused_rope = fused_rope and rotary != "none"
 
     @property
@@ -226,11 +241,15 @@ class FusedAttention(_FusedSelfAttention):
         return fused_ops + self._projection_ops(*self.input_names, self.o_name)
 
     def _qkv(self, hidden_states: Tensor, runs_direct: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v as [batch, seq, heads * head_dim] (views of one product for a fused projection)."""
+        """q, k, v as [batch, seq, heads * head_dim], or [batch, seq, heads, head_dim] for
+        a grouped fused projection (views of one product where the layout allows)."""
         if len(self.input_names) == 3:
             return tuple(self._project(name, hidden_states, runs_direct) for name in self.input_names)
         kv_width = self.num_kv_heads * self.head_dim
         qkv = self._project(self.input_names[0], hidden_states, runs_direct)
+        if self.qkv_layout == "grouped":
+            grouped = qkv.unflatten(-1, (self.num_kv_heads, -1, self.head_dim))
+            return grouped[..., :-2, :].flatten(-3, -2), grouped[..., -2, :], grouped[..., -1, :]
         return qkv.split((self.num_heads * self.head_dim, kv_width, kv_width), dim=-1)
 
     def _norm(self, index: int, x: Tensor, runs_direct: bool) -> Tensor:
@@ -289,7 +308,7 @@ class FusedAttention(_FusedSelfAttention):
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.qk_norm_scope == "projection":
-            q, k = self._norm(0, q, runs_direct), self._norm(1, k, runs_direct)
+            q, k = self._norm(0, q.flatten(2), runs_direct), self._norm(1, k.flatten(2), runs_direct)
         q, k, v = (t.view(batch, seq, -1, self.head_dim) for t in (q, k, v))
         if self.qk_norm_scope == "head" and not self._norms_in_rope:
             q, k = self._norm(0, q, runs_direct), self._norm(1, k, runs_direct)
@@ -316,7 +335,7 @@ class FusedAttention(_FusedSelfAttention):
         return (q * scales.view(1, 1, -1, 1)).to(q.dtype)
 
     def extra_repr(self) -> str:
-        features = [f"rotary={self.rotary}"]
+        features = [f"rotary={self.rotary}"] + ([] if self.qkv_layout == "blocks" else [f"qkv={self.qkv_layout}"])
         if self.qk_norms is not None:
             features.append(f"qk_norm={self.qk_norm_scope}" + (" (in rope)" if self._norms_in_rope else ""))
         if self.sinks_name is not None:

@@ -5,7 +5,7 @@ attention itself stays on the reference math).
 Two layouts are recognized by their children: q/k/v projections (separate, or one
 ``qkv_proj`` with grouped-query widths) and an output projection, with a forward taking
 ``position_embeddings`` (RoPE: Llama, Mistral, Qwen, Gemma, OLMo, Phi-3, GLM-4, gpt-oss,
-Falcon's multi-query ``query_key_value``, ...), and one ``c_attn`` projection with a
+Falcon, GPT-NeoX, Persimmon, ...), and one ``c_attn`` projection with a
 ``c_proj`` (GPT-2). Head counts come from the
 projection widths and the module's ``head_dim`` / head-count attributes; scaling,
 causality, dropout, soft-capping (``attn_logit_softcapping``), output dropout
@@ -13,7 +13,12 @@ causality, dropout, soft-capping (``attn_logit_softcapping``), output dropout
 q/k norms (QK-norm) and attention sinks from its children and parameters. Sliding windows
 need nothing of the rule: they are in the masks the model passes each layer. How the
 module rotates q and k (rotate-half, interleaved, or not at all) is left to the probe,
-which keeps the first rotation that reproduces it; so is everything else it does.
+which keeps the first rotation that reproduces it; so is everything else it does, and so
+is how a fused projection with several key-value heads lays out q, k and v
+(:data:`~te_lab.modules.attention.QKV_LAYOUTS`): ``[q | k | v]`` blocks (Phi-3), or
+interleaved per key-value group (Falcon's ``new_decoder_architecture``) or per head
+(GPT-NeoX, Persimmon, Falcon's ``multi_query=False``), each tried with each rotation, no
+class or attribute named.
 Llama 4's layers are covered by the same reading: its rotary tables are complex
 frequencies (tried when the module takes no ``(cos, sin)``), its one weightless
 ``qk_norm`` serves q and k (a weightless RMSNorm commutes with the rotation, so it runs
@@ -23,9 +28,7 @@ inside the rope kernel's pass like the others), and on its no-RoPE layers
 reporting past tokens, so that its positions cross a multiple of ``floor_scale`` and a
 wrong temperature shows even on a short sample.
 Recognized and skipped, each row saying why: multi-head latent attention (DeepSeek-V3's
-MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``); a fused projection that interleaves q, k and
-v per head or per key-value group (Falcon's ``multi_query=False`` and
-``new_decoder_architecture``); ALiBi biases (``config.alibi``).
+MLA: ``kv_a_proj_with_mqa``, ``kv_b_proj``); ALiBi biases (``config.alibi``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from te_lab.inputs import call_with
 from te_lab.modules.attention import (
     CACHE_ARGUMENTS,
     COMPLEX_TABLE_STYLES,
+    QKV_LAYOUTS,
     ROTARY_STYLES,
     FusedAttention,
     FusedQKVAttention,
@@ -264,10 +268,6 @@ def match_projections(module: nn.Module) -> MatchResult:
         return Skip(f"has {what} beyond the q/k/v/o projections, q/k norms and sinks, which the fused attention "
                     f"does not apply")
     fused_qkv = len(names) == 2
-    if fused_qkv and (getattr(module, "new_decoder_architecture", False) or getattr(module, "multi_query", True)
-                      is False):
-        return Skip(f"its {names[0]} interleaves q, k and v per head (multi_query=False) or per key-value group "
-                    f"(new_decoder_architecture), which the fused attention's [q | k | v] split does not read yet")
     hidden, qkv_width = in_out_features(module._modules[names[0]])
     q_width = in_out_features(module._modules[names[-1]])[0]
     head_dim = _head_dim(module, q_width)
@@ -327,14 +327,24 @@ def match_projections(module: nn.Module) -> MatchResult:
         synthesized = inputs(batch, seq, table)
         return synthesized if temperature is None else with_past_tokens(synthesized)
 
-    def variant(rotary: str, fused_norms: bool, fused_rope: bool = True) -> Variant:
+    # How a fused projection lays out q, k and v: tried with each rotation (with one
+    # key-value head the layouts are the same); "blocks" first, the common one.
+    layouts = QKV_LAYOUTS if fused_qkv and num_kv_heads > 1 else ("blocks",)
+
+    def layout_note(layout: str) -> list[str]:
+        if layout == "blocks":
+            return []
+        return ["q/k/v interleaved per " + ("head" if num_kv_heads == num_heads else "key-value group")]
+
+    def variant(layout: str, rotary: str, fused_norms: bool, fused_rope: bool = True) -> Variant:
         def build(options: BuildOptions) -> FusedAttention:
             return FusedAttention(
-                module, projections=names, rotary=rotary, fused_rope=fused_rope and "rope" in options.enabled_rules,
+                module, projections=names, rotary=rotary, qkv_layout=layout,
+                fused_rope=fused_rope and "rope" in options.enabled_rules,
                 qk_rms_norms=rms_norms if fused_norms and "rmsnorm" in options.enabled_rules else None, **features,
                 **_common_options(module, head_dim, num_heads, num_kv_heads, scaling, example(1, 4)),
                 fused_attention="attention" in options.enabled_rules, backend=options.backend)
-        notes = ([] if rotary == "rotate_half" else [f"rotary: {rotary}"]) + \
+        notes = ([] if rotary == "rotate_half" else [f"rotary: {rotary}"]) + layout_note(layout) + \
             ([] if temperature is None else ["q temperature-tuned (floor_scale {:g}, attn_scale {:g})".format(
                 *temperature)]) + \
             (["q/k norms run as the module's own"] if len(norm_choices) == 2 and not fused_norms else []) + \
@@ -347,10 +357,11 @@ def match_projections(module: nn.Module) -> MatchResult:
     # reference math as well, each row saying so.
     styles = _rotary_styles(module, table[0])
     norm_choices = (True, False) if rms_norms is not None and None not in rms_norms else (False,)
-    variants = [variant(rotary, norm_choices[0]) for rotary in styles]
+    variants = [variant(layout, rotary, norm_choices[0]) for layout in layouts for rotary in styles]
     if len(norm_choices) == 2:
-        variants += [variant(rotary, False) for rotary in styles]
-    variants += [variant(rotary, False, fused_rope=False) for rotary in styles if rotary != "none"]
+        variants += [variant(layout, rotary, False) for layout in layouts for rotary in styles]
+    variants += [variant(layout, rotary, False, fused_rope=False) for layout in layouts for rotary in styles
+                 if rotary != "none"]
     return Match(variants, example, complete_inputs=None if temperature is None else with_past_tokens,
                  probe_outputs=_attention_output)
 
