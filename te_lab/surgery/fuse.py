@@ -26,20 +26,18 @@ import torch
 from torch import nn
 
 from te_lab import distributed
-from te_lab.inputs import as_call_inputs, call_with, output_tensors
+from te_lab.inputs import as_call_inputs, output_tensors
 from te_lab.kernels.linear import LINEAR
 from te_lab.kernels.registry import forced_backend, recording_choices
 from te_lab.options import check_backend
 
 from . import hooks, report as reports
 from .inspection import tensor_like
+from .model_check import check_model
 from .probe import (
     WHOLE_MODEL_PROBE_TOKENS,
-    Difference,
     ProbeResult,
     capture_inputs,
-    compare,
-    inconclusive_reason,
     probe,
     probe_part,
     quiet_state,
@@ -403,7 +401,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         if sample_inputs is not None and fuser.swaps:
             fuser.current = "the whole model's check"
             bar.phase("checking the whole model")
-            report.model_check = _model_check(model, sample_inputs, before, device)
+            report.model_check = check_model(model, sample_inputs, before, device, fuser.swaps, fuser.sample_shape)
         if sample_inputs is not None:
             bar.step()
     except BaseException as error:
@@ -434,27 +432,3 @@ def _annotate(error: BaseException, message: str) -> None:
         error.add_note(message)
     else:
         error.args = (f"{message}: {error.args[0]}" if error.args else message, *error.args[1:])
-
-
-def _model_check(model: nn.Module, sample: ProbeInputs, before: Any, device: torch.device) -> reports.ModelCheck:
-    with quiet_state([model], device), torch.no_grad():
-        after = call_with(model, sample)
-    check = reports.ModelCheck()
-    pairs: list[tuple[str, Any, Any]]
-    if hasattr(before, "logits") or hasattr(before, "loss"):
-        pairs = [(name, getattr(after, name, None), getattr(before, name, None)) for name in ("logits", "loss")]
-        loss_before, loss_after = getattr(before, "loss", None), getattr(after, "loss", None)
-        check.loss_before = None if loss_before is None else float(loss_before)
-        check.loss_after = None if loss_after is None else float(loss_after)
-        if getattr(before, "logits", None) is not None and getattr(after, "logits", None) is None:
-            check.note = "logits not compared: the fused LM head does not return them when labels are given"
-    else:
-        expected, actual = output_tensors(before), output_tensors(after)
-        pairs = [(f"output {i}", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
-    differences: list[Difference] = [compare(name, actual, expected, normwise=True)
-                                     for name, actual, expected in pairs if actual is not None and expected is not None]
-    for difference in differences:
-        check.compared.append(dict(name=difference.name, max_abs=difference.max_abs, max_rel=difference.max_rel,
-                                   within_tolerance=difference.within_tolerance))
-    check.inconclusive = inconclusive_reason(differences)
-    return check

@@ -241,6 +241,44 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
     return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_error.max()))
 
 
+def judge_beside_original(name: str, actual: Optional[Tensor], expected: Optional[Tensor],
+                          original_error: float) -> Difference:
+    """``actual`` against the original's ``expected`` where no float64 run was made, given the
+    original's largest error against the float64 truth measured on part of the same call
+    (``original_error``). A result within :func:`judge`'s budget of the truth is at most
+    ``ERROR_FACTOR x original_error + atol + rtol x`` the row's largest value from the truth,
+    and the original at most ``original_error`` from it, so row by row the two may differ by
+    :func:`~te_lab.kernels.precision.error_budget` of ``original_error`` and the row's largest
+    value of ``expected``, plus ``original_error`` once more. ``original_max_abs`` is
+    ``original_error``."""
+    actual, expected, settled = _comparable(name, actual, expected)
+    if settled is not None:
+        return settled
+    a, b = actual.detach().double(), expected.detach().double()
+    if not math.isfinite(float(b.sum())):
+        return Difference(name, float("nan"), float("nan"), True, "", f"the original's {name} holds NaN or infinity",
+                          actual.numel(), original_error)
+    difference = torch.nan_to_num_((a - b).abs_(), nan=float("inf"))
+    difference_rows = _rows(difference).amax(1)
+    scale_rows = _rows(b.abs()).amax(1)
+    tolerance_dtype = _tolerance_dtype(expected)
+    allowed = error_budget(original_error, scale_rows, tolerance_dtype) + original_error
+    excess = difference_rows - allowed
+    within = bool((excess <= 0).all())
+    max_abs, scale = float(difference.max()), float(scale_rows.max())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    failure = ""
+    if not within:
+        row = int(excess.argmax())
+        tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
+        failure = (f"{name} differs from the original's by {float(difference_rows[row]):.3g} (row {row} of "
+                   f"{len(difference_rows)}), where the original's own error against the float64 truth is "
+                   f"{original_error:.3g}; the {_dtype_label(tolerance_dtype, expected)} bar is "
+                   f"{ERROR_FACTOR + 1:g} x the original's error + {tolerance['atol']:g} + {tolerance['rtol']:g} x "
+                   f"the row's largest value = {float(allowed[row]):.3g}")
+    return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), original_error)
+
+
 def compare(name: str, actual: Optional[Tensor], expected: Optional[Tensor], *, normwise: bool = False) -> Difference:
     """Compare with docs/design.md's tolerance for ``expected``'s dtype (under autocast: the
     region's, see :func:`_tolerance_dtype`): element by element

@@ -59,15 +59,26 @@ class FusionRow:
 
 @dataclass
 class ModelCheck:
-    """The whole model on the user's sample, before vs after fusing (forward, eval mode),
-    each output compared against its scale (see :func:`te_lab.surgery.probe.compare`)."""
+    """The whole model on the user's sample, fused against unfused (forward, eval mode; see
+    :mod:`te_lab.surgery.model_check`). Each output is judged by its error against the
+    unfused model run in float64 (``truth == "float64"``) on ``truth_on`` (a part of the
+    sample): each entry of ``compared`` gives the fused model's largest error there
+    (``fused_error``) beside the unfused model's (``unfused_error``), and ``max_abs`` /
+    ``max_rel`` the largest difference before vs after on the whole sample. Where the model
+    does not run in float64, ``truth`` says why and the outputs are compared before vs
+    after against their scale (:func:`te_lab.surgery.probe.compare`). An entry that misses
+    says by how much in ``failure``."""
 
-    compared: list = field(default_factory=list)  # dicts: name, max_abs, max_rel, within_tolerance
+    # dicts: name, max_abs, max_rel, within_tolerance, failure, and with a truth fused_error, unfused_error
+    compared: list = field(default_factory=list)
     loss_before: Optional[float] = None
     loss_after: Optional[float] = None
     note: str = ""
     # Why the comparison proves nothing (no elements; NaN or infinity before fusing), if it does not.
     inconclusive: str = ""
+    # "float64", or why the model could not run in float64; and the part of the sample it ran on.
+    truth: str = ""
+    truth_on: str = ""
 
     @property
     def within_tolerance(self) -> bool:
@@ -213,4 +224,17 @@ def _model_check_line(check: ModelCheck) -> str:
     verdict = (f"INCONCLUSIVE: {check.inconclusive}" if check.inconclusive
                else "within tolerance" if check.within_tolerance else "OUTSIDE tolerance")
     text = "; ".join(parts) if parts else "nothing comparable"
-    return f"whole model on the sample, before vs after: {text} ({verdict})" + (f"; {check.note}" if check.note else "")
+    errors = [f"{entry['name']} fused {entry['fused_error']:.2g}, unfused {entry['unfused_error']:.2g}"
+              for entry in check.compared if entry.get("fused_error") is not None
+              and entry.get("unfused_error") is not None]
+    if check.truth == "float64" and errors:
+        against = (f"; largest errors against the unfused model run in float64 on {check.truth_on}: "
+                   + "; ".join(errors) + " (the fused may be twice the unfused's, plus the dtype's tolerance)")
+    elif check.truth and check.truth != "float64":
+        against = f"; compared before vs after at the dtype's fixed tolerance: {check.truth}"
+    else:
+        against = ""
+    failures = [entry["failure"] for entry in check.compared if not entry["within_tolerance"] and entry.get("failure")]
+    return (f"whole model on the sample, before vs after: {text}{against} ({verdict})"
+            + (f": {failures[0]}" if failures and not check.inconclusive else "")
+            + (f"; {check.note}" if check.note else ""))
