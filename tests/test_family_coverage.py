@@ -575,11 +575,14 @@ def test_a_wrong_llama4_temperature_is_refused_by_the_probe(monkeypatch, wrong, 
                     ).to(q.dtype)
 
         monkeypatch.setattr(FusedAttention, "_temperature_tuned", unfloored)
-    ids = sample_ids()
-    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
-                         progress=False)
+    report = fuse_attention_only(model)
     _llama4_refused(report, "model.layers.1.self_attn")
     assert next(row for row in report.rows if row.path == "model.layers.0.self_attn").status == "fused"
+
+
+def fuse_attention_only(model):
+    ids = sample_ids()
+    return te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"], progress=False)
 
 
 def test_a_llama4_twin_that_skips_the_qk_norm_is_refused_by_the_probe(monkeypatch):
@@ -592,9 +595,7 @@ def test_a_llama4_twin_that_skips_the_qk_norm_is_refused_by_the_probe(monkeypatc
         original_init(self, original, **{**options, "qk_norms": None, "qk_rms_norms": None})
 
     monkeypatch.setattr(FusedAttention, "__init__", without_norm)
-    ids = sample_ids()
-    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
-                         progress=False)
+    report = fuse_attention_only(model)
     _llama4_refused(report, "model.layers.0.self_attn")
     assert next(row for row in report.rows if row.path == "model.layers.1.self_attn").status == "fused"
 
@@ -637,9 +638,7 @@ def test_a_twin_splitting_the_fused_projection_wrongly_is_refused_by_the_probe(m
         original_init(self, original, **{**options, "qkv_layout": wrong_layout})
 
     monkeypatch.setattr(FusedAttention, "__init__", wrong_split)
-    ids = sample_ids()
-    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
-                         progress=False)
+    report = fuse_attention_only(model)
     rows = [row for row in report.rows if row.rule == "attention"]
     assert len(rows) == layer_count(model)
     for row in rows:
@@ -649,9 +648,7 @@ def test_a_twin_splitting_the_fused_projection_wrongly_is_refused_by_the_probe(m
 
 def test_falcon_alibi_stays_refused_with_its_reason():
     model = build("falcon", alibi=True)
-    ids = sample_ids()
-    report = te_lab.fuse(model, sample={"input_ids": ids, "labels": ids}, only=["attention", "rope"],
-                         progress=False)
+    report = fuse_attention_only(model)
     rows = [row for row in report.rows if row.rule == "attention"]
     assert len(rows) == layer_count(model)
     for row in rows:
