@@ -208,6 +208,8 @@ def test_the_lm_head_of_real_like_models_is_fused_judged_against_the_float64_tru
     assert row.status == "fused", str(report)
     assert row.truth == "float64" and row.grad_max_abs is not None and row.original_grad_max_abs is not None
     assert row.grad_max_abs <= 2 * row.original_grad_max_abs + 1e-5 + 1e-5 * 1e3
+    assert "(the LM head + loss's gradients, which come back through the whole model: over each whole tensor" \
+        in report.summary()
     assert report.model_check.truth == "float64" and report.model_check.within_tolerance, report.summary()
 
 

@@ -120,9 +120,12 @@ class FusionReport:
         if self.already_fused:
             lines.append(f"{len(self.already_fused)} module(s) were already fused and were left alone")
         if any(row.truth == "float64" for row in self.rows):
+            whole_model = any(row.truth == "float64" and row.kind == "loss" for row in self.rows)
             lines.append("errors are each side's largest against the original run in float64 (the original's in "
                          "parentheses); a twin passes where, row by row, its error is within twice the original's "
-                         "plus the dtype's tolerance")
+                         "plus the dtype's tolerance" + (
+                             " (the LM head + loss's gradients, which come back through the whole model: over "
+                             "each whole tensor, the original's error measured twice)" if whole_model else ""))
         if any(row.backends for row in self.rows) and self.device.startswith("cpu"):
             lines.append("backends: what each twin's probe ran; on the CPU several ops choose theirs by measuring "
                          "on this machine per class of sizes, so other sizes may run another (te-lab info lists "
