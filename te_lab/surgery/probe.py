@@ -189,6 +189,34 @@ def _rows(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() >= 2 else tensor.reshape(1, -1)
 
 
+# Errors are taken about this many elements at a time: a whole-model probe's gradients reach
+# hundreds of millions of elements (Gemma 4's per-layer embedding: 134 million), whose whole
+# float64 copies cost seconds in page faults alone.
+ERROR_BLOCK_ELEMENTS = 1 << 20
+
+
+def _largest_errors(values: Tensor, t: Tensor, whole_tensor: bool, nan: float) -> Tensor:
+    """Per row of ``t`` (over its last dimension; with ``whole_tensor`` one row of every
+    element), the largest ``|values - t|``, in float64 and a block of rows at a time; a NaN
+    error counts as ``nan``."""
+    v = values.detach()
+    if whole_tensor:
+        flat_v, flat_t = v.reshape(-1), t.reshape(-1)
+        largest = torch.zeros(1, dtype=torch.float64, device=t.device)
+        for start in range(0, flat_t.numel(), ERROR_BLOCK_ELEMENTS):
+            stop = start + ERROR_BLOCK_ELEMENTS
+            error = flat_v[start:stop].to(torch.float64, copy=True).sub_(flat_t[start:stop]).abs_()
+            largest = torch.maximum(largest, torch.nan_to_num_(error, nan=nan).amax().reshape(1))
+        return largest
+    rows_v, rows_t = _rows(v), _rows(t)
+    out = torch.empty(rows_t.shape[0], dtype=torch.float64, device=t.device)
+    step = max(1, ERROR_BLOCK_ELEMENTS // max(rows_t.shape[1], 1))
+    for start in range(0, rows_t.shape[0], step):
+        error = rows_v[start:start + step].to(torch.float64, copy=True).sub_(rows_t[start:start + step]).abs_()
+        out[start:start + step] = torch.nan_to_num_(error, nan=nan).amax(1)
+    return out
+
+
 def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true: Tensor, *,
           expected_again: Optional[Tensor] = None, whole_tensor: bool = False) -> Difference:
     """The twin's ``actual`` against the float64 ``true`` values, given the original's
@@ -208,25 +236,23 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
     t = true.detach().to(torch.float64)
     if t.shape != expected.shape:
         return compare(name, actual, expected)
-    # One reduction each instead of an elementwise pass: a sum in float64 of float32-range
-    # values is finite exactly when every value is.
-    if not (math.isfinite(float(t.sum())) and math.isfinite(float(expected.detach().double().sum()))):
+    # A sum in float64 of float32-range values is finite exactly when every value is; the
+    # original's values are finite where its errors are.
+    original_rows = _largest_errors(expected, t, whole_tensor, nan=float("nan"))
+    if not (math.isfinite(float(t.sum())) and math.isfinite(float(original_rows.max()))):
         # errors against non-finite values prove nothing either way
         return Difference(name, float("nan"), float("nan"), True, "", f"the original's {name} holds NaN or infinity",
                           actual.numel())
-    rows = (lambda tensor: tensor.reshape(1, -1)) if whole_tensor else _rows
-    twin_error = torch.nan_to_num_(actual.detach().to(torch.float64, copy=True).sub_(t).abs_(), nan=float("inf"))
-    original_error = expected.detach().to(torch.float64, copy=True).sub_(t).abs_()
+    twin_rows = _largest_errors(actual, t, whole_tensor, nan=float("inf"))
     if expected_again is not None and expected_again.shape == expected.shape:
-        original_error = torch.maximum(original_error, torch.nan_to_num_(
-            expected_again.detach().to(torch.float64, copy=True).sub_(t).abs_(), nan=0.0))
-    twin_rows, original_rows = rows(twin_error).amax(1), rows(original_error).amax(1)
+        original_rows = torch.maximum(original_rows, _largest_errors(expected_again, t, whole_tensor, nan=0.0))
+    rows = (lambda tensor: tensor.reshape(1, -1)) if whole_tensor else _rows
     true_rows = torch.maximum(rows(t).amax(1), rows(t).amin(1).neg())
     tolerance_dtype = _tolerance_dtype(expected)
     allowed = error_budget(original_rows, true_rows, tolerance_dtype)
     excess = twin_rows - allowed
     within = bool((excess <= 0).all())
-    max_abs, scale = float(twin_error.max()), float(true_rows.max())
+    max_abs, scale = float(twin_rows.max()), float(true_rows.max())
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
     failure = ""
     if not within:
@@ -238,7 +264,7 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
                    f"{float(original_rows[row]):.3g}{where}; the "
                    f"{_dtype_label(tolerance_dtype, expected)} bar is {ERROR_FACTOR:g} x the original's error + "
                    f"{tolerance['atol']:g} + {tolerance['rtol']:g} x {largest} = {float(allowed[row]):.3g}")
-    return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_error.max()))
+    return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_rows.max()))
 
 
 def judge_beside_original(name: str, actual: Optional[Tensor], expected: Optional[Tensor],
