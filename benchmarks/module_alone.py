@@ -14,13 +14,19 @@ without the profiler:
   "alone" is the floor of what a module costs, and the norms sit well above it in any
   step, profiled or not.
 
-A shared 2-core machine's step time moves by 2-4x from one minute to the next when other
-processes run, which no attribution can follow, so both truths are read at the profile's
-step speed: they are timed in interleaved rounds, each a plain training step (with the
-hooks) followed by each module alone, and a figure is (module / plain step, median over
-rounds) x the profile's step median.
+On a shared 2-core machine a module's share of the step is not a constant: the load
+other processes put on the cores and memory slows the large GEMMs and the small
+single-threaded ops by different factors, so the norms' share moved by 10-20% from one
+minute to the next (measured without the profiler, 30 steps a minute apart; at 2 threads
+and at 1). A profile and a truth taken one after the other compare two moments, not two
+methods. So the check alternates them in :data:`BLOCKS` blocks, each a short profile
+(:data:`PROFILE_PAIRS` timed pairs) and then :data:`ROUNDS_PER_BLOCK` rounds of a plain
+training step (with the hooks) followed by each module alone, both modes: a kind's
+profiled share of the step (its figure / the profile's step median) and its share in the
+plain steps (module / step) are medians over the blocks and over the rounds, and both are
+read at the profiles' median step time.
 
-    python -m te_lab.benchmarks.module_alone [--batch 2] [--seq 64] [--budget-s 20]
+    python -m te_lab.benchmarks.module_alone [--batch 2] [--seq 64] [--blocks 8]
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from .in_step_times import InStepTimes
 
 TOLERANCE = 0.10
 KINDS = ("norm", "attention", "mlp")
-ROUNDS = 30  # interleaved rounds of a plain step (with the hooks) + each module alone, per mode
+BLOCKS = 8  # alternating blocks of one profile and ROUNDS_PER_BLOCK rounds of the truths
+PROFILE_PAIRS = 8  # timed pairs of each block's profile (it profiles min(8, 5) = 5 steps a mode)
+ROUNDS_PER_BLOCK = 4  # rounds of a plain step (with the hooks) + each module alone, per mode
 REPEATS = 3  # calls of each module alone per round (their median)
 CHAIN = 8  # calls of a norm per timed backward (see _chain_length)
 WARMUP_ROUNDS = 2
@@ -58,9 +66,9 @@ class Check:
     mode: str
     modules: int
     profile_ms: float
-    in_step_ms: float  # inside plain steps, by hooks; at the profile's step speed
-    alone_ms: float  # each module alone, summed; at the profile's step speed
-    step_ms: float  # the profile's step median
+    in_step_ms: float  # inside plain steps, by hooks; at the profiles' step speed
+    alone_ms: float  # each module alone, summed; at the profiles' step speed
+    step_ms: float  # the profiles' step median (median over the blocks)
 
     @property
     def error(self) -> float:
@@ -143,33 +151,45 @@ def _plain_step(model, batch: dict, parameters: list) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def shares(model, batch: dict, paths: list) -> dict:
-    """``(path, mode, truth) -> median over interleaved rounds of the module's time / the
-    plain step's``, for both truths: ``"in_step"``, the module inside a plain training
-    step of the whole model, timed by hooks (:class:`.in_step_times.InStepTimes`), and
-    ``"alone"``, the module alone (median of REPEATS calls) right after that step."""
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    sides = {}
-    for path in paths:
-        for mode in MODES:
-            module, (args, kwargs) = _inputs_of(model, batch, path, mode)
-            args, kwargs = _detached(args), _detached(kwargs)
-            leaves = [p for p in module.parameters() if p.requires_grad] + [
-                t for t in output_tensors((args, kwargs)) if t.requires_grad]
-            sides[path, mode] = (module, args, kwargs, leaves, _chain_length(module, args, kwargs))
-    found = {(path, mode, truth): [] for path, mode in sides for truth in TRUTHS}
-    for index in range(ROUNDS + WARMUP_ROUNDS):
-        for mode in (MODES if index % 2 == 0 else MODES[::-1]):
-            with _mode_context(model, mode):
-                with InStepTimes({path: model.get_submodule(path) for path in paths}) as in_step:
-                    step = _plain_step(model, batch, parameters)
-                inside = in_step.take()
-                for path in paths:
-                    alone = statistics.median(_step_alone(*sides[path, mode]) for _ in range(REPEATS))
-                    if index >= WARMUP_ROUNDS:
-                        found[path, mode, "alone"].append(alone / step)
-                        found[path, mode, "in_step"].append(sum(inside[path]) / step)
-    return {side: statistics.median(values) for side, values in found.items()}
+class Truths:
+    """The ground truths of the modules at ``paths``, both modes, measured a few rounds at
+    a time (:meth:`measure`): each round a plain training step of the whole model with the
+    modules timed inside it by hooks (:class:`.in_step_times.InStepTimes`), then each
+    module alone (median of REPEATS calls) right after it; :meth:`shares` gives
+    ``(path, mode, truth) -> median over the rounds of the module's time / the plain
+    step's``, for ``truth`` ``"in_step"`` and ``"alone"``."""
+
+    def __init__(self, model, batch: dict, paths: list):
+        self.model, self.batch, self.paths = model, batch, paths
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.sides = {}
+        for path in paths:
+            for mode in MODES:
+                module, (args, kwargs) = _inputs_of(model, batch, path, mode)
+                args, kwargs = _detached(args), _detached(kwargs)
+                leaves = [p for p in module.parameters() if p.requires_grad] + [
+                    t for t in output_tensors((args, kwargs)) if t.requires_grad]
+                self.sides[path, mode] = (module, args, kwargs, leaves, _chain_length(module, args, kwargs))
+        self.found = {(path, mode, truth): [] for path, mode in self.sides for truth in TRUTHS}
+        self.rounds = 0
+        self.measure(WARMUP_ROUNDS, keep=False)
+
+    def measure(self, rounds: int, keep: bool = True) -> None:
+        for _ in range(rounds):
+            for mode in (MODES if self.rounds % 2 == 0 else MODES[::-1]):
+                with _mode_context(self.model, mode):
+                    with InStepTimes({path: self.model.get_submodule(path) for path in self.paths}) as in_step:
+                        step = _plain_step(self.model, self.batch, self.parameters)
+                    inside = in_step.take()
+                    for path in self.paths:
+                        alone = statistics.median(_step_alone(*self.sides[path, mode]) for _ in range(REPEATS))
+                        if keep:
+                            self.found[path, mode, "alone"].append(alone / step)
+                            self.found[path, mode, "in_step"].append(sum(inside[path]) / step)
+            self.rounds += 1
+
+    def shares(self) -> dict:
+        return {side: statistics.median(values) for side, values in self.found.items()}
 
 
 def top_level_of_kind(report, kind: str) -> list[str]:
@@ -179,27 +199,44 @@ def top_level_of_kind(report, kind: str) -> list[str]:
     return [key for key in keys if not any(key.startswith(other + ".") for other in keys)]
 
 
-def check(model, batch: dict, *, budget_s: float = 20, kinds=KINDS) -> list[Check]:
+def check(model, batch: dict, *, kinds=KINDS, blocks: int = BLOCKS) -> list[Check]:
     """Profile ``model`` (fused) on ``batch`` and compare each kind of ``kinds`` with its
-    modules timed without the profiler, both modes."""
-    report = te_lab.profile(model, batch, steps="auto", budget_s=budget_s, warmup=2)
+    modules timed without the profiler, both modes, in ``blocks`` alternating blocks (see
+    the module doc)."""
+    report = te_lab.profile(model, batch, steps=PROFILE_PAIRS, warmup=2)
     members = {kind: top_level_of_kind(report, kind) for kind in kinds}
-    truth = shares(model, batch, [key for keys in members.values() for key in keys])
-    rows = {row.key: row for row in report.kinds}
-    return [Check(kind, mode, len(members[kind]), getattr(rows[kind], mode).total_ms,
-                  *(sum(truth[key, mode, name] for key in members[kind]) * report.modes[mode].step_median_ms
-                    for name in TRUTHS), report.modes[mode].step_median_ms)
-            for kind in kinds for mode in MODES]
+    truths = Truths(model, batch, [key for keys in members.values() for key in keys])
+    profiled = {(kind, mode): [] for kind in kinds for mode in MODES}
+    steps = {mode: [] for mode in MODES}
+    for block in range(blocks):
+        if block:
+            report = te_lab.profile(model, batch, steps=PROFILE_PAIRS, warmup=1)
+        rows = {row.key: row for row in report.kinds}
+        for mode in MODES:
+            step = report.modes[mode].step_median_ms
+            steps[mode].append(step)
+            for kind in kinds:
+                profiled[kind, mode].append(getattr(rows[kind], mode).total_ms / step)
+        truths.measure(ROUNDS_PER_BLOCK)
+    truth = truths.shares()
+    checks = []
+    for kind in kinds:
+        for mode in MODES:
+            step = statistics.median(steps[mode])
+            checks.append(Check(kind, mode, len(members[kind]), statistics.median(profiled[kind, mode]) * step,
+                                *(sum(truth[key, mode, name] for key in members[kind]) * step for name in TRUTHS),
+                                step))
+    return checks
 
 
-def checked_with_a_rerun(model, batch: dict, *, budget_s: float = 20) -> list[Check]:
+def checked_with_a_rerun(model, batch: dict, *, blocks: int = BLOCKS) -> list[Check]:
     """:func:`check`, with the kinds that missed measured once more (the machine is
     noisy); their second figures replace the first."""
-    checks = check(model, batch, budget_s=budget_s)
+    checks = check(model, batch, blocks=blocks)
     missed = tuple(dict.fromkeys(c.kind for c in checks if not c.met))
     if not missed:
         return checks
-    again = {(c.kind, c.mode): c for c in check(model, batch, budget_s=budget_s, kinds=missed)}
+    again = {(c.kind, c.mode): c for c in check(model, batch, blocks=blocks, kinds=missed)}
     return [again.get((c.kind, c.mode), c) if not c.met else c for c in checks]
 
 
@@ -225,11 +262,11 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--budget-s", type=float, default=20)
+    parser.add_argument("--blocks", type=int, default=BLOCKS)
     args = parser.parse_args(argv)
     print(environment.cpu_headline())
     model, sample = real_like_llama(args.batch, args.seq)
-    checks = checked_with_a_rerun(model, sample, budget_s=args.budget_s)
+    checks = checked_with_a_rerun(model, sample, blocks=args.blocks)
     print("\n".join(markdown(checks)))
     return 0 if all(c.met for c in checks) else 1
 

@@ -1,7 +1,8 @@
 """attribute() on real CPU profiles, with the device side a GPU trace would add injected:
 Kineto's runtime and kernel ids must not be mistaken for CPU ops' ids, device activity is
 linked to its CPU op through the linked correlation id, and a GPU trace without device
-activity falls back to host times and says so."""
+activity falls back to host times and says so; the per-event cost the profiler is
+charged with, on hand-made events."""
 
 import types
 
@@ -17,6 +18,7 @@ from te_lab.profiler.attribution import (
     StepTrace,
     _add_wall_times,
     attribute,
+    event_cost_us,
 )
 from te_lab.profiler.regions import PREFIX
 
@@ -181,5 +183,29 @@ def test_each_keys_recorded_events_are_counted_and_the_per_event_cost_measured()
     assert backward >= 2  # at least the addmm's node and the weight's transpose node, with their ops
     assert set(trace.events) == {"block", "head"}
     assert sum(map(sum, trace.events.values())) <= trace.recorded_events == len(events)
-    # aten::linear is made of aten::t and aten::addmm: its time beyond theirs is the recording
+    # aten::linear calls aten::t then aten::addmm: the gap between them is the recording
     assert 0.0 < trace.event_cost_us < 50.0
+
+
+class _Event:
+    """What event_cost_us reads of a profiler event: its name, time range and children."""
+
+    def __init__(self, name, start, end, children=()):
+        self.name, self.cpu_children = name, list(children)
+        self.time_range = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+
+
+def test_the_per_event_cost_is_the_median_gap_between_aten_siblings():
+    # gaps of 0.3, 0.5 (linear: t, then addmm after 0.3 us; mean: sum, div after 0.5 us, and
+    # copy_ 0.4 us later) and 0.4 us: median 0.4. A parent's own time before and after its
+    # children (2 and 1.5 us here) is its own work, not the recording: left out.
+    linear = _Event("aten::linear", 0.0, 10.0, [_Event("aten::t", 2.0, 3.0), _Event("aten::addmm", 3.3, 9.0)])
+    mean = _Event("aten::mean", 20.0, 30.0, [_Event("aten::sum", 21.0, 24.0), _Event("aten::div", 24.5, 26.0),
+                                              _Event("aten::copy_", 26.4, 28.5)])
+    # a Python-level region or a single child gives no gap; a non-ATen child is not counted
+    region = _Event("te_lab::mlp", 40.0, 60.0, [_Event("aten::mm", 41.0, 45.0), _Event("aten::mm", 50.0, 55.0)])
+    single = _Event("aten::to", 70.0, 72.0, [_Event("aten::_to_copy", 70.5, 71.5)])
+    mixed = _Event("aten::foo", 80.0, 90.0, [_Event("aten::a", 81.0, 82.0), _Event("my::op", 85.0, 86.0)])
+    events = [linear, mean, region, single, mixed] + linear.cpu_children + mean.cpu_children
+    assert event_cost_us(events) == pytest.approx(0.4)
+    assert event_cost_us([region, single]) == 0.0

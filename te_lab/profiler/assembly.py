@@ -18,7 +18,7 @@ from . import compiles, correction, intervals
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .expert_load import FORMULA as EXPERT_LOAD_FORMULA
-from .measurement import Profiled, speed_factors
+from .measurement import Profiled
 from .modes import LOSS_KEY
 from .report import (
     OTHER_KEY,
@@ -38,8 +38,8 @@ FORMULAS = {
     "spread_ms": "half the interquartile range of the step times",
     "speedup": "eager step median / fused step median",
     "speedup_interval": intervals.FORMULA + " of the timed steps",
-    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, each corrected as the module's "
-                               "time is (its events' cost off, x the mode's attribution scale)",
+    "module_speedup_interval": intervals.FORMULA + " of the profiled steps, each corrected on its own (its "
+                               "events' cost off, x its attribution scale)",
     "launches": "CPU: ops dispatched by the framework (ops not nested in another op); GPU: device kernels",
     "bytes_moved": BYTES_FORMULA,
     "step_time_change": "fused step median / eager step median - 1 (negative: the fused step is faster)",
@@ -47,11 +47,11 @@ FORMULAS = {
     "region_time": "CPU: the module's wall time in the profiled steps (median over them; forward: its region "
                    "from entry to exit, nested regions left out; backward: the autograd nodes its forward made, "
                    "with the engine's gaps between them), less its recorded events' cost; GPUs: its kernels' "
-                   "device time; x the mode's attribution scale",
+                   "device time; x the profiled step's attribution scale, before the median",
     "attribution_scale": correction.FORMULA,
-    "per_event_ms": "CPU: what recording one event cost the profiled step: the median, over ATen ops made of "
-                    "ATen ops only, of (the op's time - its children's) / its children; taken off the module "
-                    "each event landed in",
+    "per_event_ms": "CPU: what recording one event cost a profiled step: the median gap between two "
+                    "consecutive ATen ops called by one ATen op (the one's end and the other's start recorded); "
+                    "taken off the module each event landed in; the median over the profiled steps",
     "profiled_ratio": correction.RATIO_FORMULA,
     "other": "unprofiled step median - the mode's scaled module times: ops no module owns (embeddings, residual "
              "adds, glue, optimizer steps) and the Python between modules",
@@ -103,29 +103,44 @@ def mode_summary(name: str, samples: list, profiled: Profiled, backward: bool, d
     return summary
 
 
-def correct_to_unprofiled(report: ProfileReport, traces: dict, device_times: bool) -> None:
-    """Take the profiler's per-event cost off each mode's region times and scale them to
-    its unprofiled step (:mod:`.correction`), and note what the profiler cost and any
-    compilation a measured step paid for."""
+def correct_runs(runs: dict, step_medians: dict, device_times: bool) -> dict:
+    """Each mode's profiled runs, one by one, to what its unprofiled step spends
+    (:mod:`.correction`): each region loses its recorded events at the run's own per-event
+    cost, then the run's times are scaled by the mode's unprofiled step median over the
+    run's wall time less all its events' cost. Run by run, since both move from one
+    profiled step to the next (on the 2-core CPU 0.3-0.7 us per event, and steps of 35 to
+    60 ms within a second). mode -> (median per-event ms, median scale) over its runs."""
+    found = {}
+    for mode, profiled in runs.items():
+        event_costs, scales = [], []
+        for run in profiled:
+            trace = run.trace
+            per_event_ms = trace.event_cost_us / 1e3
+            for key, region in trace.regions.items():
+                forward_events, backward_events = trace.events.get(key, (0, 0))
+                region.forward_ms = correction.without_events(region.forward_ms, forward_events, per_event_ms)
+                region.backward_ms = correction.without_events(region.backward_ms, backward_events, per_event_ms)
+            attributed_ms = sum(region.total_ms for region in trace.regions.values())
+            scale = correction.attribution_scale(
+                step_medians[mode], run.wall_ms - trace.recorded_events * per_event_ms, attributed_ms,
+                # a GPU trace without device activity holds host times
+                device_times and bool(trace.kernels))
+            for region in trace.regions.values():
+                region.forward_ms *= scale
+                region.backward_ms *= scale
+            trace.attributed_us = attributed_ms * scale * 1e3
+            event_costs.append(per_event_ms)
+            scales.append(scale)
+        found[mode] = (statistics.median(event_costs), statistics.median(scales)) if profiled else (0.0, 1.0)
+    return found
+
+
+def note_corrections(report: ProfileReport, corrections: dict) -> None:
+    """Record each mode's per-event cost and attribution scale (medians over its profiled
+    runs, :func:`correct_runs`), and note what the profiler cost and any compilation a
+    measured step paid for."""
     for mode, summary in report.modes.items():
-        trace = traces[mode].trace
-        summary.per_event_ms = trace.event_cost_us / 1e3
-        for key, region in trace.regions.items():
-            forward_events, backward_events = trace.events.get(key, (0, 0))
-            before = region.total_ms
-            region.forward_ms = correction.without_events(region.forward_ms, forward_events, summary.per_event_ms)
-            region.backward_ms = correction.without_events(region.backward_ms, backward_events, summary.per_event_ms)
-            trace.attributed_us -= (before - region.total_ms) * 1e3
-        scale = correction.attribution_scale(
-            summary.step_median_ms, summary.profiled_step_ms - trace.recorded_events * summary.per_event_ms,
-            trace.attributed_us / 1e3,
-            # a GPU trace without device activity holds host times
-            device_times and bool(trace.kernels))
-        for region in trace.regions.values():
-            region.forward_ms *= scale
-            region.backward_ms *= scale
-        trace.attributed_us *= scale
-        summary.attribution_scale = scale
+        summary.per_event_ms, summary.attribution_scale = corrections[mode]
         warning = correction.overhead_warning(mode, summary.step_median_ms, summary.profiled_step_ms)
         if warning:
             report.notes.append(warning)
@@ -182,46 +197,35 @@ def compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
                     region.gflops, region.gbs, region.total_ms))
 
 
-def per_round_totals(runs: dict, wall_times: bool) -> dict:
-    """key -> mode -> the key's time (ms, as profiled, taken to the median wall time as
-    :func:`.measurement.median_run` takes it) in each profiled round, before
-    :func:`.measurement.median_run` replaces the first round's figures; "(other)" is the
-    profiled wall time no module accounts for."""
+def per_round_totals(runs: dict, step_medians: dict) -> dict:
+    """key -> mode -> the key's time (ms, corrected: :func:`correct_runs`) in each profiled
+    round, before :func:`.measurement.median_run` replaces the first round's figures;
+    "(other)" is the rest of the mode's unprofiled step median."""
     totals: dict = {}
     for mode, profiled in runs.items():
-        for round_index, (run, factor) in enumerate(zip(profiled, speed_factors(profiled, wall_times))):
+        for round_index, run in enumerate(profiled):
             for key, region in run.trace.regions.items():
-                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms * factor
+                totals.setdefault(key, {}).setdefault(mode, {})[round_index] = region.total_ms
             attributed = sum(region.total_ms for region in run.trace.regions.values())
             totals.setdefault(OTHER_KEY, {}).setdefault(mode, {})[round_index] = max(
-                (run.wall_ms - attributed) * factor, 0.0)
+                step_medians[mode] - attributed, 0.0)
     return totals
 
 
-def _events_of(trace, key: str) -> int:
-    """The profiler events recorded inside ``key``'s time; for "(other)", those outside every key's."""
-    if key == OTHER_KEY:
-        return trace.recorded_events - sum(sum(counts) for counts in trace.events.values())
-    return sum(trace.events.get(key, (0, 0)))
-
-
-def _corrected_rounds(per_round: dict, key: str, mode: str, summary: ModeSummary, events: int) -> list:
-    """The key's per-round times corrected as the report's are (:func:`correct_to_unprofiled`)."""
+def _rounds(per_round: dict, key: str, mode: str) -> list:
+    """The key's time in each profiled round (0.0 in a round it did not run in)."""
     rounds = per_round.get(key, {}).get(mode, {})
-    return [correction.without_events(rounds.get(i, 0.0), events, summary.per_event_ms) * summary.attribution_scale
-            for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
+    return [rounds.get(i, 0.0) for i in range(len(per_round.get(OTHER_KEY, {}).get(mode, {})))]
 
 
-def module_intervals(report: ProfileReport, per_round: dict, traces: dict) -> None:
+def module_intervals(report: ProfileReport, per_round: dict) -> None:
     """Each module's and op kind's speedup interval over the paired profiled rounds,
-    corrected as its times were; a note when "(other)", which fusion does not touch, changed
+    each corrected as the report's times are (:func:`correct_runs`); a note when "(other)", which fusion does not touch, changed
     measurably."""
     members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
     rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
     for comparison, keys in rows:
-        eager, fused = ([sum(values) for values in zip(*(
-            _corrected_rounds(per_round, key, mode, report.modes[mode], _events_of(traces[mode].trace, key))
-            for key in keys))]
+        eager, fused = ([sum(values) for values in zip(*(_rounds(per_round, key, mode) for key in keys))]
             for mode in ("eager", "fused"))
         if len(eager) < 2 or len(eager) != len(fused) or comparison.speedup is None or min(fused) <= 0:
             continue
@@ -262,4 +266,4 @@ def utilization(report: ProfileReport, samples: dict, sampler, traces: dict, dev
             mean = statistics.mean(v for row in series.values for v in row) / 100
             report.utilization.append(Figure(
                 f"mean {series.source} utilization", "both", mean, "fraction",
-                f"mean over samples and channels of {series.formula}", "sampled across every timed step"))
+                f"mean over samples and channels of {series.formula}", "sampled across the timed steps and the profiled steps among them"))

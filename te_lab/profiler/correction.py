@@ -8,18 +8,22 @@ and memory, which one detail step per mode records instead), and label module re
 with torch's C++ region (1.4 us inside the region, against 8-20 us for
 ``record_function``). What the profiler still costs is taken off where it landed:
 
-- CPU (modules' wall times, slowed by every event recorded inside them): what recording
-  one event cost is measured in the step itself (``StepTrace.event_cost_us``: inside ATen
-  ops made of ATen ops, where nothing but the profiler runs between children, about
-  0.7 us on the 2-core CPU, steady within 0.1 us from step to step); each module's
-  forward and backward time loses its own events' share (``events x per_event_ms``),
-  then ``scale = unprofiled step median / max(profiled step wall time - recorded events x
-  per_event_ms, attributed time)`` spreads what is left. Measured against the same
-  modules timed by hooks inside unprofiled steps (``python -m
-  te_lab.benchmarks.module_alone``): one factor per mode instead over-charged the fused
-  norms by 11-18%, which record 3 events per 10 us of work where an MLP records 1 per
-  100 us; the profiled against unprofiled step time per event was no measure, moving
-  from 0.03 to 2 us between profiles of one model with the machine's noise.
+- CPU (modules' wall times, slowed by every event recorded inside them), each profiled
+  step on its own (the per-event cost and the step's speed both move from one profiled
+  step to the next): what recording one event cost is measured in the step itself
+  (``StepTrace.event_cost_us``: the gap between two consecutive ATen ops that one ATen op
+  calls, where nothing but the profiler runs; median 0.31-0.46 us on the 2-core CPU);
+  each module's forward and backward time loses its own events' share (``events x
+  per_event_ms``), then ``scale = unprofiled step median / max(profiled step wall time -
+  recorded events x per_event_ms, attributed time)`` spreads what is left; a module's
+  figure is the median over the profiled steps. Measured against the same modules timed
+  by hooks inside unprofiled steps (``python -m te_lab.benchmarks.module_alone``): one
+  factor per mode instead over-charged the fused norms by 11-18%, which record 3 events
+  per 10 us of work where an MLP records 1 per 100 us; an ATen op's own time beyond its
+  children's, per child, as the per-event cost (0.7-0.9 us: it holds the op's own work)
+  under-charged the eager norms, densest in events, by 5-13%; the profiled against
+  unprofiled step time per event was no measure, moving from 0.03 to 2 us between
+  profiles of one model with the machine's noise.
 - GPUs (device kernel times, which the profiler does not slow): ``per_event_ms = 0``,
   ``scale = min(1, unprofiled step median / attributed kernel time)``: kernel times stay
   as measured unless they alone would exceed the step.
@@ -33,10 +37,11 @@ from __future__ import annotations
 
 OVERHEAD_WARNING = 0.25  # profiled step / unprofiled step - 1 above which the report warns
 
-FORMULA = ("on the CPU (module wall times slow by each event the profiler records in them): each module's "
-           "(time - its recorded events x per-event cost) x scale, per-event cost measured in the step (inside "
-           "ATen ops made of ATen ops, their time beyond their children's per child, median), scale = "
-           "unprofiled step median / max(profiled step wall time - events x per-event cost, attributed time); "
+FORMULA = ("on the CPU (module wall times slow by each event the profiler records in them), per profiled "
+           "step: each module's (time - its recorded events x per-event cost) x scale, per-event cost measured in "
+           "the step (the median gap between consecutive ATen ops called by one ATen op), scale = unprofiled "
+           "step median / max(profiled step wall time - events x per-event cost, attributed time), the module's "
+           "figure the median over profiled steps; "
            "on GPUs (kernel times, not slowed): time x min(1, unprofiled step median / attributed kernel time); "
            "(other) = unprofiled step median - corrected module times, so the rows add up to the unprofiled step")
 RATIO_FORMULA = ("profiled step wall time (median over profiled steps) / unprofiled step median; the "

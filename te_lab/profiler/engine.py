@@ -13,11 +13,11 @@ gradient all-reduce runs and is measured (``.grad`` is put back as it was; with
 communication; in a distributed run the report records its rank (``report.save``
 writes ``report.rank<r>.json``).
 
-Timed steps run without the profiler (warm-up first, modes alternating which goes
-first each round); then one detail step per mode records shapes, FLOPs and memory (bytes
-moved, FLOPs, input shapes, peak memory), and profiled steps that record times alone,
-which cost the profiler a tenth as much per op, give the attribution, launches and
-timeline (:mod:`.measurement`). The report is assembled from them (:mod:`.assembly`):
+After the warm-up, one detail step per mode records shapes, FLOPs and memory (bytes
+moved, FLOPs, input shapes, peak memory); then timed steps run without the profiler
+(modes alternating which goes first each round), and profiled pairs that record times
+alone, which cost the profiler a tenth as much per op, are spread over them: they give
+the attribution, launches and timeline (:mod:`.measurement`). The report is assembled from them (:mod:`.assembly`):
 module times are rescaled so each mode's modules and "(other)" add up to its unprofiled
 step (:mod:`.correction`), and compilations during timed or profiled steps are counted
 per mode (:mod:`.compiles`). The RNG state, parameters and gradients are left as found.
@@ -172,6 +172,23 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                     measurement.timed_step(dataclasses.replace(mode, run=expert_load.recording(mode.run)) if last
                                            else mode, backward, dev)
                     advance()
+        runs, details = {mode.name: [] for mode in modes}, {}
+        # One detail step per mode first gives the details (shapes, bytes, FLOPs, memory),
+        # not times: the profiler's first session in a process, and the first call of each
+        # compiled graph under it, cost up to hundreds of ms that land on whichever op runs
+        # first.
+        for mode in modes:
+            details[mode.name] = measurement.profiled_step(mode, backward, dev, detail=True)
+            advance()
+
+        def profile_pair() -> None:
+            """One profiled step per mode, the order alternating from pair to pair."""
+            pair = len(runs[modes[0].name])
+            for mode in (modes if pair % 2 == 0 else modes[::-1]):
+                with compile_counters[mode.name]:
+                    runs[mode.name].append(measurement.profiled_step(mode, backward, dev, detail=False))
+                advance()
+
         with UtilizationSampler(dev) as sampler:
             started = time.perf_counter()
             index = 0
@@ -183,6 +200,13 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                         advance()
                         sampler.mark(f"{mode.name} step {index + 1} end")
                 index += 1
+                # The profiled pairs are spread over the timed rounds (the k-th of P after
+                # round k x planned / P), so they see the machine as the timed steps do: on
+                # a shared CPU a module's share of the step moves with the load, and five
+                # profiled steps in a row, after the timed ones, read it at one moment.
+                if len(runs[modes[0].name]) < profiled_steps and (
+                        index * profiled_steps >= (len(runs[modes[0].name]) + 1) * planned["timed"]):
+                    profile_pair()
                 if steps != "auto":
                     if index >= steps:
                         break
@@ -194,30 +218,19 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                     break
                 pair_s = (time.perf_counter() - started) / index
                 planned["timed"] = max(index + 1, min(MAX_AUTO_PAIRS, int(budget_s / pair_s) if pair_s > 0 else 0))
-        runs, details = {mode.name: [] for mode in modes}, {}
-        # The first profiled step per mode gives the details (shapes, bytes, FLOPs, memory),
-        # not times: the profiler's first session in a process, and the first call of each
-        # compiled graph under it, cost up to hundreds of ms that land on whichever op runs
-        # first.
-        for index in range(-1, profiled_steps):
-            for mode in (modes if index % 2 == 0 else modes[::-1]):
-                with compile_counters[mode.name] if index >= 0 else contextlib.nullcontext():
-                    profiled = measurement.profiled_step(mode, backward, dev, detail=index < 0)
-                if index >= 0:
-                    runs[mode.name].append(profiled)
-                else:
-                    details[mode.name] = profiled
-                advance()
-        wall_times = not devices.is_gpu(dev)
-        per_round = assembly.per_round_totals(runs, wall_times)
-        traces = {name: measurement.with_details(measurement.median_run(profiled, wall_times), details[name])
+        while len(runs[modes[0].name]) < profiled_steps:  # "auto" stopped before the planned rounds
+            profile_pair()
+        step_medians = {name: statistics.median(_step_ms(samples, name)) for name in runs}
+        corrections = assembly.correct_runs(runs, step_medians, devices.is_gpu(dev))
+        per_round = assembly.per_round_totals(runs, step_medians)
+        traces = {name: measurement.with_details(measurement.median_run(profiled), details[name])
                   for name, profiled in runs.items()}
     for mode in modes:
         report.modes[mode.name] = assembly.mode_summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
         report.modes[mode.name].compiles = compile_counters[mode.name].count
-    assembly.correct_to_unprofiled(report, traces, devices.is_gpu(dev))
+    assembly.note_corrections(report, corrections)
     assembly.compare(report, traces, key_info)
-    assembly.module_intervals(report, per_round, traces)
+    assembly.module_intervals(report, per_round)
     assembly.utilization(report, samples, sampler, traces, dev)
     report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
     report.utilization_series = [vars(series) for series in sampler.series]

@@ -83,29 +83,18 @@ def profiled_step(mode: Mode, backward: bool, device: torch.device, detail: bool
                      "minus frees during the step")
 
 
-def speed_factors(runs: list[Profiled], wall_times: bool) -> list[float]:
-    """Per run, the factor that takes its times to the runs' median wall time: on the CPU,
-    where a module's time is wall time and a busy machine slows a whole step (five profiled
-    steps of one model took 48-65 ms), median wall / the run's wall; 1.0 on GPUs, whose
-    kernel times a busy host does not slow."""
-    middle = statistics.median(run.wall_ms for run in runs)
-    return [middle / run.wall_ms if wall_times and run.wall_ms > 0 else 1.0 for run in runs]
-
-
-def median_run(runs: list[Profiled], wall_times: bool) -> Profiled:
+def median_run(runs: list[Profiled]) -> Profiled:
     """The first run, with each region's forward and backward time from the run where the
-    region's total, taken to the median wall time (:func:`speed_factors`), is the median
-    (lower median for an even count), so the region's total is the median total its
-    speedup interval is bootstrapped from (launches, bytes and FLOPs do not vary between
-    runs), and the wall time the median."""
+    region's total is the median (lower median for an even count), so the region's total
+    is the median total its speedup interval is bootstrapped from (launches, bytes and
+    FLOPs do not vary between runs), and the wall time the median. The runs' times are
+    corrected first (:func:`.assembly.correct_runs`), each to the unprofiled step."""
     first = runs[0]
-    factors = speed_factors(runs, wall_times)
     for key, region in first.trace.regions.items():
-        found = sorted(((r.total_ms * factor, r, factor) for r, factor in (
-            (run.trace.regions.get(key), factor) for run, factor in zip(runs, factors)) if r is not None),
-            key=lambda entry: entry[0])
-        _, middle, factor = found[(len(found) - 1) // 2]
-        region.forward_ms, region.backward_ms = middle.forward_ms * factor, middle.backward_ms * factor
+        found = sorted((r for r in (run.trace.regions.get(key) for run in runs) if r is not None),
+                       key=lambda r: r.total_ms)
+        middle = found[(len(found) - 1) // 2]
+        region.forward_ms, region.backward_ms = middle.forward_ms, middle.backward_ms
     first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
     first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
