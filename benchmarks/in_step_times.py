@@ -11,8 +11,11 @@ ground truth the profile's module figures claim to be (:mod:`.module_alone` comp
   lowest-numbered (a post-hook on it).
 
 A module pays four hook calls a step (a few us; a hook on every node of an attention
-block, called from the engine, added 10-15% to it), where the profiler pays 0.5-1 us for
-every op, autograd node and region it records.
+block, called from the engine, added 10-15% to it), where the profiler pays 0.3-0.5 us
+for every op, autograd node and region it records. What the hooks spend (finding the
+module's autograd nodes after its forward is most of it) lies outside the modules' times
+but inside the step: :attr:`InStepTimes.hooks_ms` says how much, so a module's share of
+the step can be taken of the step without it.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ def _nodes_made(outputs: list, inputs: list) -> list:
 
 class InStepTimes:
     """While active, times each module of ``modules`` (path -> module) in the steps that
-    run: :meth:`take` returns path -> (forward ms,
-    backward ms) of the last step and starts over. A module called more than once in a
-    step has its calls' times summed."""
+    run: :meth:`take` returns path -> (forward ms, backward ms) of the last step, sets
+    :attr:`hooks_ms` to what the hooks themselves spent in it, and starts over. A module
+    called more than once in a step has its calls' times summed."""
 
     def __init__(self, modules: dict[str, nn.Module]):
         self.modules = modules
@@ -52,6 +55,8 @@ class InStepTimes:
         self._forward_ms: dict[str, float] = {}
         self._backward: dict[str, list] = {}  # path -> [first node's start, last node's end] per call
         self._inputs: dict[str, list] = {}
+        self._hooks_s = 0.0  # time inside the hooks since the last take
+        self.hooks_ms = 0.0
 
     def __enter__(self) -> "InStepTimes":
         for path, module in self.modules.items():
@@ -66,8 +71,10 @@ class InStepTimes:
 
     def _entered(self, path: str):
         def hook(_module, args, kwargs):
+            entered = time.perf_counter()
             self._inputs[path] = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
             self._forward_start[path] = time.perf_counter()
+            self._hooks_s += self._forward_start[path] - entered
         return hook
 
     def _left(self, path: str):
@@ -77,6 +84,7 @@ class InStepTimes:
             outputs = [t for t in output_tensors(output) if t.requires_grad]
             nodes = _nodes_made(outputs, self._inputs.pop(path, []))
             if not nodes:
+                self._hooks_s += time.perf_counter() - now
                 return
             span = [float("inf"), float("-inf")]
             self._backward.setdefault(path, []).append(span)
@@ -90,6 +98,7 @@ class InStepTimes:
             ordered = sorted(nodes, key=lambda node: node._sequence_nr())
             ordered[-1].register_prehook(started)
             ordered[0].register_hook(ended)
+            self._hooks_s += time.perf_counter() - now
         return hook
 
     def take(self) -> dict[str, tuple[float, float]]:
@@ -99,4 +108,5 @@ class InStepTimes:
             times[path] = (self._forward_ms.get(path, 0.0), sum(end - start for start, end in spans) * 1e3)
         self._forward_ms.clear()
         self._backward.clear()
+        self.hooks_ms, self._hooks_s = self._hooks_s * 1e3, 0.0
         return times

@@ -181,6 +181,7 @@ class Truths:
                     with InStepTimes({path: self.model.get_submodule(path) for path in self.paths}) as in_step:
                         step = _plain_step(self.model, self.batch, self.parameters)
                     inside = in_step.take()
+                    step -= in_step.hooks_ms  # the step as it runs without the hooks
                     for path in self.paths:
                         alone = statistics.median(_step_alone(*self.sides[path, mode]) for _ in range(REPEATS))
                         if keep:

@@ -209,3 +209,32 @@ def test_the_per_event_cost_is_the_median_gap_between_aten_siblings():
     events = [linear, mean, region, single, mixed] + linear.cpu_children + mean.cpu_children
     assert event_cost_us(events) == pytest.approx(0.4)
     assert event_cost_us([region, single]) == 0.0
+
+
+class _ScaleThenCast(torch.nn.Module):
+    """Ends in a cast to the dtype its tensor already has: a no-op that makes no autograd
+    node but records the number the next node will get (as eager RMSNorm's ``.to``)."""
+
+    def forward(self, x):
+        return (x * 2).to(torch.float32)
+
+
+def test_a_node_belongs_to_the_module_whose_op_made_it_not_to_a_no_op_before_it():
+    scale, linear = _ScaleThenCast(), torch.nn.Linear(16, 4)
+    x = torch.randn(8, 16, requires_grad=True)
+    with regions.labelled({"scale": scale, "linear": linear}):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            linear(scale(x)).sum().backward()
+    events = [e for e in profiler.events() if e.device_type == DeviceType.CPU]
+    casts = [e for e in events if e.name == "aten::to" and e.sequence_nr >= 0]
+    transposes = [e for e in events if e.name == "aten::t" and e.sequence_nr >= 0]
+    # the premise: the cast and the linear's transpose record the same number
+    assert casts and transposes and casts[0].sequence_nr == transposes[0].sequence_nr
+    trace = attribute(profiler, "eager", None, on_gpu=False, costs=False)
+
+    def under(event):
+        return 1 + sum(under(child) for child in event.cpu_children)
+
+    nodes = {e.name[len(BACKWARD_PREFIX):]: e for e in events if e.name.startswith(BACKWARD_PREFIX)}
+    assert trace.events["scale"][1] == under(nodes["MulBackward0"])  # its one node, not the transpose's
+    assert trace.events["linear"][1] == sum(under(nodes[name]) for name in ("TBackward0", "AddmmBackward0"))

@@ -157,15 +157,18 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
                 return ancestor.name[len(PREFIX):]
         return None
 
-    # Forward ops that made autograd nodes, by sequence number.
+    # Forward ops that made autograd nodes, by sequence number. An op records the number the
+    # next node will get whether or not it makes one, so a no-op at the end of one module
+    # (eager RMSNorm's ``.to(dtype)`` of a tensor already in it) carries the number of the
+    # next module's first node: the last op to record a number is the one that made its node.
     forward_key: dict[int, Optional[str]] = {}
-    for event in events:
+    for event in sorted(events, key=lambda e: e.time_range.start):
         if _is_op(event) and event.sequence_nr >= 0 and not any(
                 a.name.startswith(BACKWARD_PREFIX) for a in _ancestors(event)):
             key = region_of(event)
-            if key is None and event.name in LOSS_OPS:
-                key = loss_key
-            forward_key.setdefault(event.sequence_nr, key)
+            if key is None and any(op.name in LOSS_OPS for op in (event, *_ancestors(event))):
+                key = loss_key  # a loss op or an op inside one (log_softmax in cross_entropy)
+            forward_key[event.sequence_nr] = key
 
     def key_and_phase(event) -> tuple[Optional[str], str]:
         updated = _optimizer_target(event)
