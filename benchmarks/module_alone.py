@@ -1,11 +1,14 @@
 """The profile's module figures against ground truth (issue 29): for each top-level kind
-of module (norm, attention, MLP) of a fused model, eager and fused, the profile's
-corrected figure for the kind (the sum over its modules) against the same modules timed
-without the profiler:
+of module (norm, attention, MLP) of a fused model, eager and fused, the profile's figure
+for the kind (the sum over its modules; on the CPU from the profile's clocked steps,
+timed by hooks) against the same modules timed without the profiler:
 
 - **in the step** (the check, within :data:`TOLERANCE`): inside plain training steps of
-  the whole model, by hooks (:mod:`.in_step_times`): what the profile's figure claims to
-  be;
+  the whole model of the check's own, by the same hooks
+  (:mod:`te_lab.profiler.module_clock`, whose timing is tested with known sleeps): what
+  the profile's figure claims to be. It checks what the profile does with them (which
+  modules, which mode, nested keys, the share of the step, the scaling to the unprofiled
+  step, the medians) in steps other than the profile's;
 - **alone** (reported beside it): each module alone, forward and backward, on the inputs
   it gets inside the model, summed over the kind. Alone, a small module runs warm and
   faster than it does in the step: measured on the 2-core CPU (forward hooks, no
@@ -44,7 +47,7 @@ from te_lab.inputs import output_tensors
 from te_lab.models.real_like import make_real_like
 
 from . import environment
-from .in_step_times import InStepTimes
+from te_lab.profiler.module_clock import ModuleClock
 
 TOLERANCE = 0.10
 KINDS = ("norm", "attention", "mlp")
@@ -154,7 +157,7 @@ def _plain_step(model, batch: dict, parameters: list) -> float:
 class Truths:
     """The ground truths of the modules at ``paths``, both modes, measured a few rounds at
     a time (:meth:`measure`): each round a plain training step of the whole model with the
-    modules timed inside it by hooks (:class:`.in_step_times.InStepTimes`), then each
+    modules timed inside it by hooks (:class:`te_lab.profiler.module_clock.ModuleClock`), then each
     module alone (median of REPEATS calls) right after it; :meth:`shares` gives
     ``(path, mode, truth) -> median over the rounds of the module's time / the plain
     step's``, for ``truth`` ``"in_step"`` and ``"alone"``."""
@@ -178,7 +181,7 @@ class Truths:
         for _ in range(rounds):
             for mode in (MODES if self.rounds % 2 == 0 else MODES[::-1]):
                 with _mode_context(self.model, mode):
-                    with InStepTimes({path: self.model.get_submodule(path) for path in self.paths}) as in_step:
+                    with ModuleClock({path: self.model.get_submodule(path) for path in self.paths}) as in_step:
                         step = _plain_step(self.model, self.batch, self.parameters)
                     inside = in_step.take()
                     step -= in_step.hooks_ms  # the step as it runs without the hooks

@@ -212,7 +212,7 @@ class TeLabMagics(Magics):
         finally:
             steps = args.steps if report is None else len(report.modes["eager"].step_ms)
             print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {steps} timed steps, "
-                  f"then profiled steps, in each of eager and fused mode)")
+                  f"then profiled steps (and on the CPU as many clocked ones), in each of eager and fused mode)")
         if args.html:
             print(f"static report written to {to_html(report, args.html)}")
         show(report, rerun=profile_run)

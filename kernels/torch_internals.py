@@ -86,6 +86,13 @@ def profiler_region(name: str) -> contextlib.AbstractContextManager:
 # ---- autograd's engine ----
 
 _keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward_pass() -> bool:
+    """Whether a backward pass is running on this thread (a forward recomputed under
+    activation checkpointing runs inside one); False where this torch cannot tell."""
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def backward_keeps_graph() -> Optional[bool]:

@@ -104,8 +104,8 @@ def test_te_profile_line_and_cell_forms(shell, tmp_path, capsys):
     assert isinstance(report, te_lab.ProfileReport) and report.modes["fused"].backward_median_ms > 0
     out = capsys.readouterr().out
     assert "te_lab.profile:" in out  # the text fallback outside a notebook
-    # 1 timed step, one profiled step thrown away and one kept, per mode
-    assert "%te_profile: ran the statement 6 times (0 warm-up and 1 timed steps" in out
+    # 1 timed step, the detail step, one profiled step and one clocked step (the CPU's module times), per mode
+    assert "%te_profile: ran the statement 8 times (0 warm-up and 1 timed steps" in out
     path = tmp_path / "cell.html"
     shell.user_ns["cell_runs"] = 0
     cell_report = shell.run_cell_magic("te_profile", f"--steps 1 --warmup 0 --html {path} -o",
@@ -115,7 +115,7 @@ def test_te_profile_line_and_cell_forms(shell, tmp_path, capsys):
     assert any(c.key == "model.layers.0.mlp" and c.eager.backward_ms > 0 for c in cell_report.modules)
     out = capsys.readouterr().out
     assert path.exists() and f"static report written to {path}" in out
-    assert shell.user_ns["cell_runs"] == 6 and "%te_profile: ran the cell 6 times" in out
+    assert shell.user_ns["cell_runs"] == 8 and "%te_profile: ran the cell 8 times" in out
     fwd = shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward -o model(batch['input_ids'])")
     assert fwd.modes["fused"].backward_median_ms is None
     assert shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward model(batch['input_ids'])") is None
@@ -125,7 +125,7 @@ def test_te_profile_cell_warns_when_it_changes_the_parameters(shell, capsys):
     shell.run_line_magic("te_fuse", "model -q")
     shell.user_ns["optimizer"] = torch.optim.SGD(shell.user_ns["model"].parameters(), lr=1e-3)
     before = {name: p.detach().clone() for name, p in shell.user_ns["model"].named_parameters()}
-    with pytest.warns(RuntimeWarning, match=r"changed \d+ of the models' parameters in place while it ran 6 times"):
+    with pytest.warns(RuntimeWarning, match=r"changed \d+ of the models' parameters in place while it ran 8 times"):
         report = shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 -o",
                                       "model(**batch).loss.backward()\noptimizer.step()\noptimizer.zero_grad()\n")
     assert any("moving model" in note for note in report.notes)
@@ -143,7 +143,7 @@ def test_te_profile_statements_go_through_the_input_transformers(shell, capsys):
     # IPython syntax in the cell (a line magic) runs as it would in a cell of its own.
     shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 --no-backward",
                          "%time seen.append(1)\nmodel(batch['input_ids'])\n")
-    assert len(shell.user_ns["seen"]) == 6
+    assert len(shell.user_ns["seen"]) == 8  # detail, timed, profiled and clocked steps, two modes
 
 
 def test_magics_taking_python_do_not_expand_variables(shell):
@@ -154,7 +154,7 @@ def test_magics_taking_python_do_not_expand_variables(shell):
     assert {row.rule for row in report.fused} == {"layernorm"} and te_lab.is_fused(shell.user_ns["nets"]["big"])
     shell.run_line_magic("te_profile", '--model nets["big"] --steps 1 --warmup 0 --no-backward seen.append({number}) '
                          'or nets["big"](torch.zeros(1, 4, dtype=torch.long))')
-    assert shell.user_ns["seen"] == [{3}] * 6
+    assert shell.user_ns["seen"] == [{3}] * 8
 
 
 def test_te_profile_mistakes_and_user_errors(shell):

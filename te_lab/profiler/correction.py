@@ -1,29 +1,26 @@
 """From the profiled step's op times to times that add up to the unprofiled step.
 
 The profiler slows what it records, by a cost per event (an op at any depth, a labelled
-region, an autograd node), not per millisecond of work: a module dense in small ops pays
-more of it than its share of the step. So the steps that time modules record times alone
-(measured on the 2-core CPU, about 1 us per event, against about 13 us with shapes, FLOPs
-and memory, which one detail step per mode records instead), and label module regions
-with torch's C++ region (1.4 us inside the region, against 8-20 us for
-``record_function``). What the profiler still costs is taken off where it landed:
+region, an autograd node), not per millisecond of work, and by no one cost: on the 2-core
+CPU 0.26 us for an ATen op called in a loop, 1.5-2 us for each of te_lab's fused
+RMSNorm's (the norm alone, with and without the profiler). So on the CPU the modules'
+times come from steps without the profiler, timed by hooks (:mod:`.module_clock`,
+:func:`.assembly.use_clocked_times`); what this module corrects is the rest:
 
-- CPU (modules' wall times, slowed by every event recorded inside them), each profiled
-  step on its own (the per-event cost and the step's speed both move from one profiled
-  step to the next): what recording one event cost is measured in the step itself
+- CPU, the keys no module holds (the loss ops of the LM head + loss), each profiled step
+  on its own: what recording one event cost is measured in the step itself
   (``StepTrace.event_cost_us``: the gap between two consecutive ATen ops that one ATen op
   calls, where nothing but the profiler runs; median 0.31-0.46 us on the 2-core CPU);
-  each module's forward and backward time loses its own events' share (``events x
+  the key's forward and backward time loses its own events' share (``events x
   per_event_ms``), then ``scale = unprofiled step median / max(profiled step wall time -
-  recorded events x per_event_ms, attributed time)`` spreads what is left; a module's
-  figure is the median over the profiled steps. Measured against the same modules timed
-  by hooks inside unprofiled steps (``python -m te_lab.benchmarks.module_alone``): one
-  factor per mode instead over-charged the fused norms by 11-18%, which record 3 events
-  per 10 us of work where an MLP records 1 per 100 us; an ATen op's own time beyond its
-  children's, per child, as the per-event cost (0.7-0.9 us: it holds the op's own work)
-  under-charged the eager norms, densest in events, by 5-13%; the profiled against
-  unprofiled step time per event was no measure, moving from 0.03 to 2 us between
-  profiles of one model with the machine's noise.
+  recorded events x per_event_ms, attributed time)`` spreads what is left. Measured
+  against the modules timed by hooks (``python -m te_lab.benchmarks.module_alone``),
+  this correction of module times stayed off by up to 10-20% for the norms, densest in
+  events: a parent ATen op's own time beyond its children's, per child, as the cost
+  (0.7-0.9 us: it holds the op's own work) under-charged the eager norms by 5-13%, the
+  sibling gap over-charged the fused norms by 8-11%; one factor per mode over-charged
+  the fused norms by 11-18%; the profiled against unprofiled step time per event moved
+  from 0.03 to 2 us between profiles of one model with the machine's noise.
 - GPUs (device kernel times, which the profiler does not slow): ``per_event_ms = 0``,
   ``scale = min(1, unprofiled step median / attributed kernel time)``: kernel times stay
   as measured unless they alone would exceed the step.
@@ -37,11 +34,11 @@ from __future__ import annotations
 
 OVERHEAD_WARNING = 0.25  # profiled step / unprofiled step - 1 above which the report warns
 
-FORMULA = ("on the CPU (module wall times slow by each event the profiler records in them), per profiled "
-           "step: each module's (time - its recorded events x per-event cost) x scale, per-event cost measured in "
+FORMULA = ("on the CPU, for what no module holds (the loss ops; modules' times come from the clocked steps), "
+           "per profiled step: (time - its recorded events x per-event cost) x scale, per-event cost measured in "
            "the step (the median gap between consecutive ATen ops called by one ATen op), scale = unprofiled "
-           "step median / max(profiled step wall time - events x per-event cost, attributed time), the module's "
-           "figure the median over profiled steps; "
+           "step median / max(profiled step wall time - events x per-event cost, attributed time), the figure "
+           "the median over profiled steps; "
            "on GPUs (kernel times, not slowed): time x min(1, unprofiled step median / attributed kernel time); "
            "(other) = unprofiled step median - corrected module times, so the rows add up to the unprofiled step")
 RATIO_FORMULA = ("profiled step wall time (median over profiled steps) / unprofiled step median; the "

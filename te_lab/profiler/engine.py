@@ -17,7 +17,9 @@ After the warm-up, one detail step per mode records shapes, FLOPs and memory (by
 moved, FLOPs, input shapes, peak memory); then timed steps run without the profiler
 (modes alternating which goes first each round), and profiled pairs that record times
 alone, which cost the profiler a tenth as much per op, are spread over them: they give
-the attribution, launches and timeline (:mod:`.measurement`). The report is assembled from them (:mod:`.assembly`):
+the attribution, launches and timeline (:mod:`.measurement`); on the CPU each is followed
+by a clocked pair, steps without the profiler whose modules are timed by hooks
+(:mod:`.module_clock`), which give the module times. The report is assembled from them (:mod:`.assembly`):
 module times are rescaled so each mode's modules and "(other)" add up to its unprofiled
 step (:mod:`.correction`), and compilations during timed or profiled steps are counted
 per mode (:mod:`.compiles`). The RNG state, parameters and gradients are left as found.
@@ -124,7 +126,7 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
                           warmup, backward, progress, budget_s, recorder)
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
-        runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup)
+        runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup, clocked=not devices.is_gpu(dev))
         message = (f"te_lab.profile_statement: the statement changed {changed} of the models' parameters in place "
                    f"while it ran {runs} times (an optimizer step inside it?), so the "
                    f"eager and fused steps measured a moving model")
@@ -139,11 +141,12 @@ def _check_counts(steps, warmup, budget_s, caller: str) -> None:
     check_budget(budget_s, caller)
 
 
-def runs_per_mode(steps: int, warmup: int) -> int:
+def runs_per_mode(steps: int, warmup: int, clocked: bool) -> int:
     """How many times a profile with ``steps`` timed steps (a number: what ``"auto"``
-    settled on) runs its target in each mode: the warm-up and timed steps, one profiled
-    step thrown away, then the profiled steps kept."""
-    return warmup + steps + 1 + min(steps, PROFILED_STEPS)
+    settled on) runs its target in each mode: the warm-up and timed steps, the detail
+    step, the profiled steps kept and, with ``clocked`` (on the CPU), as many clocked
+    steps."""
+    return warmup + steps + 1 + min(steps, PROFILED_STEPS) * (2 if clocked else 1)
 
 
 def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps, warmup: int,
@@ -152,6 +155,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     samples = {mode.name: [] for mode in modes}
     compile_counters = {mode.name: compiles.CompileCounter() for mode in modes}
     profiled_steps = PROFILED_STEPS if steps == "auto" else min(steps, PROFILED_STEPS)
+    clocked_steps = 0 if devices.is_gpu(dev) else profiled_steps  # on the CPU, a clocked pair after each profiled one
     planned = {"timed": MIN_AUTO_PAIRS if steps == "auto" else steps}
     done = 0
 
@@ -159,7 +163,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         nonlocal done
         done += 1
         if progress is not None:
-            progress(done, len(modes) * (warmup + planned["timed"] + 1 + profiled_steps))
+            progress(done, len(modes) * (warmup + planned["timed"] + 1 + profiled_steps + clocked_steps))
 
     with torch.random.fork_rng(devices=[dev] if devices.is_gpu(dev) else [],
                                **({"device_type": dev.type} if devices.is_gpu(dev) else {})):
@@ -172,7 +176,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
                     measurement.timed_step(dataclasses.replace(mode, run=expert_load.recording(mode.run)) if last
                                            else mode, backward, dev)
                     advance()
-        runs, details = {mode.name: [] for mode in modes}, {}
+        runs, details, clocked = {mode.name: [] for mode in modes}, {}, {mode.name: [] for mode in modes}
         # One detail step per mode first gives the details (shapes, bytes, FLOPs, memory),
         # not times: the profiler's first session in a process, and the first call of each
         # compiled graph under it, cost up to hundreds of ms that land on whichever op runs
@@ -182,11 +186,16 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
             advance()
 
         def profile_pair() -> None:
-            """One profiled step per mode, the order alternating from pair to pair."""
+            """One profiled step per mode, the order alternating from pair to pair; on the
+            CPU then one clocked step per mode (the modules' times, :mod:`.module_clock`)."""
             pair = len(runs[modes[0].name])
             for mode in (modes if pair % 2 == 0 else modes[::-1]):
                 with compile_counters[mode.name]:
                     runs[mode.name].append(measurement.profiled_step(mode, backward, dev, detail=False))
+                advance()
+            for mode in (modes if pair % 2 == 0 else modes[::-1])[:len(modes) if clocked_steps else 0]:
+                with compile_counters[mode.name]:
+                    clocked[mode.name].append(measurement.clocked_step(mode, backward, dev))
                 advance()
 
         with UtilizationSampler(dev) as sampler:
@@ -222,6 +231,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
             profile_pair()
         step_medians = {name: statistics.median(_step_ms(samples, name)) for name in runs}
         corrections = assembly.correct_runs(runs, step_medians, devices.is_gpu(dev))
+        assembly.use_clocked_times(runs, clocked, step_medians)
         per_round = assembly.per_round_totals(runs, step_medians)
         traces = {name: measurement.with_details(measurement.median_run(profiled), details[name])
                   for name, profiled in runs.items()}

@@ -1,6 +1,7 @@
-"""The steps a profile measures: a timed step without the profiler, a profiled step (times
-alone, or in detail: shapes, FLOPs and memory) attributed to modules, and the median of a
-mode's profiled steps with the detail step's figures merged in."""
+"""The steps a profile measures: a timed step without the profiler, a clocked step (without
+the profiler, its modules timed by hooks), a profiled step (times alone, or in detail:
+shapes, FLOPs and memory) attributed to modules, and the median of a mode's profiled steps
+with the detail step's figures merged in."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from te_lab.inputs import output_tensors
 from . import regions, trace_files
 from .attribution import attribute
 from .chatter import without_profiler_chatter
+from .module_clock import ModuleClock, own_times
 from .modes import LOSS_KEY, Mode
 from .report import Region
 
@@ -81,6 +83,26 @@ def profiled_step(mode: Mode, backward: bool, device: torch.device, detail: bool
                          "step's start (max_memory_allocated)")
     return Profiled(trace, wall_ms, trace.peak_memory_bytes, "profiler memory records: peak of allocations "
                      "minus frees during the step")
+
+
+@dataclass
+class Clocked:
+    """A step without the profiler whose modules were timed by hooks (:mod:`.module_clock`)."""
+
+    step_ms: float  # the step, less what the hooks spent
+    modules: dict  # key -> (forward ms, backward ms), each module's own (nested keyed modules left out)
+
+
+def clocked_step(mode: Mode, backward: bool, device: torch.device) -> Clocked:
+    """One step without the profiler, each module the mode labels timed by hooks, except
+    the LM head + loss, whose loss ops run outside the head module (the profile keeps its
+    profiled time)."""
+    with mode.context():
+        modules = {key: module for key, module in mode.labels().items() if not key.endswith(LOSS_KEY)}
+        with ModuleClock(modules) as clock:
+            step_ms = timed_step(mode, backward, device)[0]
+        times = clock.take()
+    return Clocked(step_ms - clock.hooks_ms, own_times(times, modules))
 
 
 def median_run(runs: list[Profiled]) -> Profiled:
