@@ -24,10 +24,12 @@ minute to the next (measured without the profiler, 30 steps a minute apart; at 2
 and at 1). A profile and a truth taken one after the other compare two moments, not two
 methods. So the check alternates them in :data:`BLOCKS` blocks, each a short profile
 (:data:`PROFILE_PAIRS` timed pairs) and then :data:`ROUNDS_PER_BLOCK` rounds of a plain
-training step (with the hooks) followed by each module alone, both modes: a kind's
-profiled share of the step (its figure / the profile's step median) and its share in the
-plain steps (module / step) are medians over the blocks and over the rounds, and both are
-read at the profiles' median step time.
+training step with the hooks, both modes: a kind's profiled share of the step (its
+figure / the profile's step median) and its share in the plain steps (module / step) are
+medians over the blocks and over the rounds, and both are read at the profiles' median
+step time. The modules alone are timed after the blocks (:data:`ALONE_ROUNDS` rounds of a
+plain step followed by each module alone), since a plain step right after them ran its
+norms slower.
 
     python -m te_lab.benchmarks.module_alone [--batch 2] [--seq 64] [--blocks 8]
 """
@@ -53,7 +55,8 @@ TOLERANCE = 0.10
 KINDS = ("norm", "attention", "mlp")
 BLOCKS = 8  # alternating blocks of one profile and ROUNDS_PER_BLOCK rounds of the truths
 PROFILE_PAIRS = 8  # timed pairs of each block's profile (it profiles min(8, 5) = 5 steps a mode)
-ROUNDS_PER_BLOCK = 4  # rounds of a plain step (with the hooks) + each module alone, per mode
+ROUNDS_PER_BLOCK = 4  # rounds of a plain step with the hooks, per mode
+ALONE_ROUNDS = 8  # after the blocks: rounds of a plain step + each module alone, per mode
 REPEATS = 3  # calls of each module alone per round (their median)
 CHAIN = 8  # calls of a norm per timed backward (see _chain_length)
 WARMUP_ROUNDS = 2
@@ -155,11 +158,13 @@ def _plain_step(model, batch: dict, parameters: list) -> float:
 
 
 class Truths:
-    """The ground truths of the modules at ``paths``, both modes, measured a few rounds at
-    a time (:meth:`measure`): each round a plain training step of the whole model with the
-    modules timed inside it by hooks (:class:`te_lab.profiler.module_clock.ModuleClock`), then each
-    module alone (median of REPEATS calls) right after it; :meth:`shares` gives
-    ``(path, mode, truth) -> median over the rounds of the module's time / the plain
+    """The ground truths of the modules at ``paths``, both modes: :meth:`measure` runs
+    rounds of a plain training step of the whole model per mode with the modules timed
+    inside it by hooks (:class:`te_lab.profiler.module_clock.ModuleClock`);
+    :meth:`measure_alone` rounds of a plain step per mode, each followed by each module
+    alone (median of REPEATS calls). Apart: a plain step right after the modules alone
+    gave the norms a 4% larger share than one after another plain step. :meth:`shares`
+    gives ``(path, mode, truth) -> median over the rounds of the module's time / the plain
     step's``, for ``truth`` ``"in_step"`` and ``"alone"``."""
 
     def __init__(self, model, batch: dict, paths: list):
@@ -184,13 +189,19 @@ class Truths:
                     with ModuleClock({path: self.model.get_submodule(path) for path in self.paths}) as in_step:
                         step = _plain_step(self.model, self.batch, self.parameters)
                     inside = in_step.take()
-                    step -= in_step.hooks_ms  # the step as it runs without the hooks
+                step -= in_step.hooks_ms  # the step as it runs without the hooks
+                for path in self.paths if keep else ():
+                    self.found[path, mode, "in_step"].append(sum(inside[path]) / step)
+            self.rounds += 1
+
+    def measure_alone(self, rounds: int) -> None:
+        for index in range(rounds):
+            for mode in (MODES if index % 2 == 0 else MODES[::-1]):
+                with _mode_context(self.model, mode):
+                    step = _plain_step(self.model, self.batch, self.parameters)
                     for path in self.paths:
                         alone = statistics.median(_step_alone(*self.sides[path, mode]) for _ in range(REPEATS))
-                        if keep:
-                            self.found[path, mode, "alone"].append(alone / step)
-                            self.found[path, mode, "in_step"].append(sum(inside[path]) / step)
-            self.rounds += 1
+                        self.found[path, mode, "alone"].append(alone / step)
 
     def shares(self) -> dict:
         return {side: statistics.median(values) for side, values in self.found.items()}
@@ -222,6 +233,7 @@ def check(model, batch: dict, *, kinds=KINDS, blocks: int = BLOCKS) -> list[Chec
             for kind in kinds:
                 profiled[kind, mode].append(getattr(rows[kind], mode).total_ms / step)
         truths.measure(ROUNDS_PER_BLOCK)
+    truths.measure_alone(ALONE_ROUNDS)
     truth = truths.shares()
     checks = []
     for kind in kinds:

@@ -186,16 +186,19 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
             advance()
 
         def profile_pair() -> None:
-            """One profiled step per mode, the order alternating from pair to pair; on the
-            CPU then one clocked step per mode (the modules' times, :mod:`.module_clock`)."""
+            """On the CPU one clocked step per mode (the modules' times, :mod:`.module_clock`),
+            then one profiled step per mode, the order alternating from pair to pair. Clocked
+            first, right after timed steps: after a profiled step the norms' share of the
+            next step read 5% lower (the profiler's buffers leave the caches colder)."""
             pair = len(runs[modes[0].name])
-            for mode in (modes if pair % 2 == 0 else modes[::-1]):
-                with compile_counters[mode.name]:
-                    runs[mode.name].append(measurement.profiled_step(mode, backward, dev, detail=False))
-                advance()
-            for mode in (modes if pair % 2 == 0 else modes[::-1])[:len(modes) if clocked_steps else 0]:
+            order = modes if pair % 2 == 0 else modes[::-1]
+            for mode in order[:len(modes) if clocked_steps else 0]:
                 with compile_counters[mode.name]:
                     clocked[mode.name].append(measurement.clocked_step(mode, backward, dev))
+                advance()
+            for mode in order:
+                with compile_counters[mode.name]:
+                    runs[mode.name].append(measurement.profiled_step(mode, backward, dev, detail=False))
                 advance()
 
         with UtilizationSampler(dev) as sampler:
