@@ -220,8 +220,9 @@ def compare(report: ProfileReport, traces: dict, key_info: dict) -> None:
 
 
 def per_round_totals(runs: dict, step_medians: dict) -> dict:
-    """key -> mode -> the key's time (ms, corrected: :func:`correct_runs`) in each profiled
-    round, before :func:`.measurement.median_run` replaces the first round's figures;
+    """key -> mode -> the key's time (ms, corrected: :func:`correct_runs`; on the CPU the
+    modules' from their clocked steps: :func:`use_clocked_times`) in each profiled round,
+    before :func:`.measurement.median_run` replaces the first round's figures;
     "(other)" is the rest of the mode's unprofiled step median."""
     totals: dict = {}
     for mode, profiled in runs.items():
