@@ -47,9 +47,9 @@ import te_lab
 from te_lab import models
 from te_lab.inputs import output_tensors
 from te_lab.models.real_like import make_real_like
+from te_lab.profiler.module_clock import ModuleClock
 
 from . import environment
-from te_lab.profiler.module_clock import ModuleClock
 
 TOLERANCE = 0.10
 KINDS = ("norm", "attention", "mlp")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from te_lab.profiler import correction
+from te_lab.profiler.assembly import correct_runs, per_round_totals
 from te_lab.profiler.attribution import StepTrace
 from te_lab.profiler.compiles import CompileCounter
-from te_lab.profiler.assembly import correct_runs, per_round_totals
 from te_lab.profiler.measurement import Profiled, median_run
 from te_lab.profiler.report import OTHER_KEY, Region
 

@@ -242,9 +242,9 @@ def _rounds(per_round: dict, key: str, mode: str) -> list:
 
 
 def module_intervals(report: ProfileReport, per_round: dict) -> None:
-    """Each module's and op kind's speedup interval over the paired profiled rounds,
-    each corrected as the report's times are (:func:`correct_runs`); a note when "(other)", which fusion does not touch, changed
-    measurably."""
+    """Each module's and op kind's speedup interval over the paired rounds, each as the
+    report's times are (:func:`correct_runs`, :func:`use_clocked_times`); a note when
+    "(other)", which fusion does not touch, changed measurably."""
     members = {kind.key: [m.key for m in report.modules if m.kind == kind.key] for kind in report.kinds}
     rows = [(module, [module.key]) for module in report.modules] + [(kind, members[kind.key]) for kind in report.kinds]
     for comparison, keys in rows:
@@ -289,4 +289,5 @@ def utilization(report: ProfileReport, samples: dict, sampler, traces: dict, dev
             mean = statistics.mean(v for row in series.values for v in row) / 100
             report.utilization.append(Figure(
                 f"mean {series.source} utilization", "both", mean, "fraction",
-                f"mean over samples and channels of {series.formula}", "sampled across the timed steps and the profiled steps among them"))
+                f"mean over samples and channels of {series.formula}",
+                "sampled across the timed steps and the profiled steps among them"))

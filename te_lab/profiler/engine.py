@@ -27,7 +27,6 @@ per mode (:mod:`.compiles`). The RNG state, parameters and gradients are left as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time

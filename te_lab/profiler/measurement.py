@@ -18,8 +18,8 @@ from te_lab.inputs import output_tensors
 from . import regions, trace_files
 from .attribution import attribute
 from .chatter import without_profiler_chatter
-from .module_clock import ModuleClock, own_times
 from .modes import LOSS_KEY, Mode
+from .module_clock import ModuleClock, own_times
 from .report import Region
 
 

@@ -29,10 +29,11 @@ class ModeSummary:
     """One mode's step: medians over the timed (unprofiled) steps, and what the
     profiled steps showed (launches, peak memory). ``per_event_ms`` is what each event the
     profiler recorded cost a profiled step (taken off the module it landed in, on the
-    CPU), and ``attribution_scale`` the factor a profiled step's module times were then
-    multiplied by so the modules add up to the unprofiled step, each the median over the
-    profiled steps, which are corrected one by one (:mod:`te_lab.profiler.correction`); ``compiles`` counts compilation events
-    during the mode's timed and profiled steps (:mod:`te_lab.profiler.compiles`)."""
+    CPU), and ``attribution_scale`` the factor a profiled step's times were then
+    multiplied by so they add up to the unprofiled step, each the median over the profiled
+    steps, which are corrected one by one (:mod:`te_lab.profiler.correction`; on the CPU
+    the modules' times come from clocked steps instead); ``compiles`` counts compilation
+    events during the mode's timed and profiled steps (:mod:`te_lab.profiler.compiles`)."""
 
     mode: str
     step_ms: list = field(default_factory=list)
