@@ -191,7 +191,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
             round, the module check's figures moved by under 4%)."""
             pair = len(runs[modes[0].name])
             order = modes if pair % 2 == 0 else modes[::-1]
-            for mode in order[:len(modes) if clocked_steps else 0]:
+            for mode in order if clocked_steps else ():
                 with compile_counters[mode.name]:
                     clocked[mode.name].append(measurement.clocked_step(mode, backward, dev))
                 advance()

@@ -250,14 +250,10 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
     true_rows = torch.maximum(rows(t).amax(1), rows(t).amin(1).neg())
     tolerance_dtype = _tolerance_dtype(expected)
     allowed = error_budget(original_rows, true_rows, tolerance_dtype)
-    excess = twin_rows - allowed
-    within = bool((excess <= 0).all())
-    max_abs, scale = float(twin_rows.max()), float(true_rows.max())
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    failure = ""
+    max_abs = float(twin_rows.max())
+    row, max_rel, tolerance = _verdict(twin_rows, allowed, max_abs, float(true_rows.max()), tolerance_dtype)
+    within, failure = row is None, ""
     if not within:
-        row = int(excess.argmax())
-        tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
         where, largest = ("", "the largest value") if whole_tensor else \
             (f" (row {row} of {len(twin_rows)})", "the row's largest value")
         failure = (f"{name} is {float(twin_rows[row]):.3g} from the float64 truth where the original's own error is "
@@ -265,6 +261,16 @@ def judge(name: str, actual: Optional[Tensor], expected: Optional[Tensor], true:
                    f"{_dtype_label(tolerance_dtype, expected)} bar is {ERROR_FACTOR:g} x the original's error + "
                    f"{tolerance['atol']:g} + {tolerance['rtol']:g} x {largest} = {float(allowed[row]):.3g}")
     return Difference(name, max_abs, max_rel, within, failure, "", actual.numel(), float(original_rows.max()))
+
+
+def _verdict(error_rows: Tensor, allowed: Tensor, max_abs: float, scale: float,
+             tolerance_dtype: torch.dtype) -> tuple[Optional[int], float, dict]:
+    """(the row furthest over its budget, or None where every row is within; the largest
+    error relative to the largest value; the dtype's tolerances, for the failure's words)."""
+    excess = error_rows - allowed
+    row = None if bool((excess <= 0).all()) else int(excess.argmax())
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return row, max_rel, TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
 
 
 def judge_beside_original(name: str, actual: Optional[Tensor], expected: Optional[Tensor],
@@ -289,14 +295,10 @@ def judge_beside_original(name: str, actual: Optional[Tensor], expected: Optiona
     scale_rows = _rows(b.abs()).amax(1)
     tolerance_dtype = _tolerance_dtype(expected)
     allowed = error_budget(original_error, scale_rows, tolerance_dtype) + original_error
-    excess = difference_rows - allowed
-    within = bool((excess <= 0).all())
-    max_abs, scale = float(difference.max()), float(scale_rows.max())
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    failure = ""
+    max_abs = float(difference.max())
+    row, max_rel, tolerance = _verdict(difference_rows, allowed, max_abs, float(scale_rows.max()), tolerance_dtype)
+    within, failure = row is None, ""
     if not within:
-        row = int(excess.argmax())
-        tolerance = TOLERANCES.get(tolerance_dtype, TOLERANCES[torch.float32])
         failure = (f"{name} differs from the original's by {float(difference_rows[row]):.3g} (row {row} of "
                    f"{len(difference_rows)}), where the original's own error against the float64 truth is "
                    f"{original_error:.3g}; the {_dtype_label(tolerance_dtype, expected)} bar is "
