@@ -43,7 +43,8 @@ def test_demo_fuses_verifies_profiles_and_writes_the_dashboard(tmp_path):
     assert "te_lab.profile: 100%" in result.stderr  # the progress bar ran to the end
     report_file = tmp_path / "te_lab_report.html"
     text = report_file.read_text(encoding="utf-8")
-    assert text.count('class="plotly-graph-div"') == 4 and "te_lab profile: LlamaLM" in text
+    assert text.count('class="plotly-graph-div"') == 5 and "te_lab profile: LlamaLM" in text
+    assert "fusion ceiling:" in out and "of the step" in out  # the ceiling and the compute split, printed
 
 
 def test_demo_defaults_are_the_mini_llama_and_te_lab_report_html():
@@ -67,7 +68,8 @@ def test_profile_a_hugging_face_model_writes_html_and_json_that_round_trip(tmp_p
     assert report.summary() in result.stdout
     assert "candidate modules fused in LlamaForCausalLM" in result.stdout
     html = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
-    assert html.count('class="plotly-graph-div"') == 4
+    assert html.count('class="plotly-graph-div"') == 5
+    assert report.ceiling is not None and 0 < report.ceiling.eager.compute_ms <= report.modes["eager"].step_median_ms
     for comparison in report.kinds:
         assert f'"{comparison.key}"' in html  # each op kind is a bar label in the gains chart
 

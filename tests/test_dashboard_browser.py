@@ -154,6 +154,12 @@ def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
     assert bars(dashboard) == 2 * kinds
     cards = dashboard.locator(".te-lab-cards").text_content()
     assert cards.index("step time") < cards.index("memory traffic") < cards.index("launches saved")
+    assert "fusion ceiling" in cards and "available" in cards
+    # the fusion ceiling below the gains: eager, fused and the ceiling, each compute + the rest
+    ceiling = dashboard.locator(".js-plotly-plot", has_text="GEMMs and attention")
+    ceiling.locator("g.trace.bars g.point").first.wait_for(timeout=TIMEOUT_MS)
+    assert ceiling.locator("g.trace.bars g.point").count() == 6
+    assert sorted(ceiling.locator("g.ytick text").all_text_contents()) == ["ceiling", "eager", "fused"]
     page.screenshot(path=str(ARTIFACTS / "dashboard-gains.png"), full_page=True)
 
     # group by module instance: a pair of bars per module
@@ -230,9 +236,9 @@ def test_the_static_export_renders_offline(jupyterlab, browser):
     context.route("**/*", block_network)
     page = context.new_page()
     page.goto(export.as_uri(), timeout=TIMEOUT_MS)
-    page.wait_for_function("document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= 4",
+    page.wait_for_function("document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= 5",
                            timeout=TIMEOUT_MS)
-    assert page.locator(".plotly-graph-div").count() == 4
+    assert page.locator(".plotly-graph-div").count() == 5
     assert [url for url in requests if not url.startswith("file:")] == []
     page.screenshot(path=str(ARTIFACTS / "static-export.png"), full_page=True)
     shutil.copy(export, ARTIFACTS / "static-export.html")

@@ -6,6 +6,7 @@ text fallback and the HTML file."""
 
 import copy
 import dataclasses
+import html
 import json
 
 import pytest
@@ -58,6 +59,10 @@ def test_the_dashboard_draws_every_tab(report):
     assert "process CPU time / wall time" in dashboard.utilization_table.value
     assert dashboard.cards.value.index("step time") < dashboard.cards.value.index("memory traffic") \
         < dashboard.cards.value.index("launches saved")  # the headline comes first, in this order
+    ceiling = shown(dashboard.ceiling)["data"]
+    assert [trace["name"] for trace in ceiling] == ["GEMMs and attention", "the rest"]
+    assert list(ceiling[0]["y"]) == ["eager", "fused", "ceiling"]
+    assert html.escape(report.ceiling.verdict()) in dashboard.cards.value
 
 
 def test_group_by_and_phase_redraw_the_gains_in_place(report):
@@ -112,7 +117,7 @@ def test_each_chart_is_in_the_widget_state_once_without_plotly_js(report):
     states = {key: widget.get_state() for key, widget in ours.items()}
     assert not any("_esm" in state for state in states.values())
     plotted = [state for state in states.values() if state.get("_model_name") == "OutputModel" and state["outputs"]]
-    assert len(plotted) == 4  # gains, timeline, utilization, roofline
+    assert len(plotted) == 5  # gains, fusion ceiling, timeline, utilization, roofline
     assert all(len(state["outputs"]) == 1 and PLOTLY_MIME in state["outputs"][0]["data"] for state in plotted)
     size = len(json.dumps(list(states.values())))
     timeline = len(json.dumps(shown(dashboard.timeline)))
@@ -165,7 +170,7 @@ def test_static_export_is_one_self_contained_file(report, tmp_path):
     text = path.read_text(encoding="utf-8")
     assert len(text) > 1_000_000  # plotly.js inlined
     assert "<script src=" not in text.replace('<script src="data:', "")  # nothing fetched from a network
-    assert text.count('class="plotly-graph-div"') == 4
+    assert text.count('class="plotly-graph-div"') == 5
     assert "speedup" in text and "process CPU time / wall time" in text
     with pytest.raises(ValueError, match="must end in .html"):
         te_lab.to_html(report, tmp_path / "report.txt")

@@ -199,6 +199,7 @@ def test_summary_cards():
         ("step time", "-50.0% (20.000 -> 10.000 ms, 2.00x)"),
         ("memory traffic (estimate)", "-25.0% (5.0 MiB saved)"),
         ("launches saved", "42 (50 -> 8)"),
+        ("fusion ceiling", "-"),
         ("peak memory", "eager 3.0 MiB / fused -"),
         ("modules fused", "3"),
         ("profiled / unprofiled step", "eager 1.50x / fused -"),
@@ -234,5 +235,5 @@ def test_every_figure_builds_from_a_real_report(tiny_llama_report):
     figures.roofline_figure(report)
     figures.utilization_figure(report)
     assert [title for title, _ in figures.summary_cards(report)] == [
-        "step time", "memory traffic (estimate)", "launches saved", "peak memory", "modules fused",
+        "step time", "memory traffic (estimate)", "launches saved", "fusion ceiling", "peak memory", "modules fused",
         "profiled / unprofiled step", "compiles in measured steps"]

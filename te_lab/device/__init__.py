@@ -17,7 +17,7 @@ bus id), :mod:`.triton_availability` (whether the triton backend may run) and
 :mod:`.subsystems` (the profiler activity and process-group backend of a device).
 """
 
-from .ceilings import PEAK_TABLE, DevicePeak, lookup_peak, measure_copy_bandwidth, peak
+from .ceilings import PEAK_TABLE, DevicePeak, fusion_bandwidth, lookup_peak, measure_copy_bandwidth, peak
 from .identity import PhysicalIdentity, normalized_uuid, physical_identity
 from .memory import max_memory_allocated, memory_allocated, reset_peak_memory_stats
 from .properties import device_name, multiprocessor_count, supports_dtype
@@ -55,6 +55,7 @@ __all__ = [
     "device_name",
     "distributed_backend",
     "flush_cache",
+    "fusion_bandwidth",
     "is_available",
     "is_gpu",
     "lookup_peak",

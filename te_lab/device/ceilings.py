@@ -47,19 +47,24 @@ def lookup_peak(name: str) -> Optional[DevicePeak]:
     return None
 
 
-_measured_bandwidth: dict[torch.device, float] = {}
+_measured_bandwidth: dict[tuple[torch.device, int], float] = {}  # (device, MiB copied) -> GB/s
 
 
 def measure_copy_bandwidth(device: DeviceLike = None, megabytes: int = 64, repeats: int = 7) -> float:
     """Achieved GB/s of a device-to-device copy (bytes read + bytes written) / median time.
 
-    Measured once per device and cached: it is the bandwidth ceiling for devices the
+    Measured once per device and size and cached: it is the bandwidth ceiling for devices the
     peak table does not know, the CPU included. The destination is written once before
     timing so page faults on fresh memory are not counted.
     """
     dev = selection.resolve(device)
-    if dev in _measured_bandwidth:
-        return _measured_bandwidth[dev]
+    if (dev, megabytes) not in _measured_bandwidth:
+        _measured_bandwidth[dev, megabytes] = _time_copy(dev, megabytes, repeats)
+    return _measured_bandwidth[dev, megabytes]
+
+
+def _time_copy(dev: torch.device, megabytes: int, repeats: int) -> float:
+    """GB/s of copying ``megabytes`` of float32: (read + written) / the median of ``repeats``."""
     numel = megabytes * 2**20 // 4
     src = torch.ones(numel, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
@@ -71,9 +76,28 @@ def measure_copy_bandwidth(device: DeviceLike = None, megabytes: int = 64, repea
             dst.copy_(src)
         times.append(timer.elapsed_ms)
     median_ms = sorted(times)[len(times) // 2]
-    bandwidth = 2 * src.numel() * src.element_size() / (median_ms * 1e-3) / 1e9
-    _measured_bandwidth[dev] = bandwidth
-    return bandwidth
+    return 2 * src.numel() * src.element_size() / (median_ms * 1e-3) / 1e9
+
+
+# Copy sizes the fusion ceiling's bandwidth is measured at on the CPU: a layer's activations
+# sit in the caches (2 and 8 MiB) or in DRAM (64 MiB) by their size; on the 2-core EPYC
+# here 140-165 GB/s against 45 GB/s.
+CPU_CEILING_COPY_MIB = (2, 8, 64)
+
+
+def fusion_bandwidth(device: DeviceLike = None) -> tuple[float, str]:
+    """(GB/s, where it comes from) at which the fusion ceiling costs the bytes that are not
+    GEMMs' (:mod:`te_lab.profiler.ceiling`): a listed GPU's vendor bandwidth, else the
+    fastest measured copy over :data:`CPU_CEILING_COPY_MIB` (the ceiling is an upper bound,
+    so it takes the caches' speed where activations fit them)."""
+    dev = selection.resolve(device)
+    listed = lookup_peak(properties.device_name(dev)) if selection.is_gpu(dev) else None
+    if listed is not None:
+        return listed.memory_bandwidth_gbs, listed.source
+    sizes = CPU_CEILING_COPY_MIB if not selection.is_gpu(dev) else (CPU_CEILING_COPY_MIB[-1],)
+    measured = {size: measure_copy_bandwidth(dev, size) for size in sizes}
+    size = max(measured, key=measured.get)
+    return measured[size], f"fastest measured copy of {', '.join(map(str, sizes))} MiB: {size} MiB"
 
 
 def peak(device: DeviceLike = None) -> DevicePeak:

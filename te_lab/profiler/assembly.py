@@ -14,7 +14,7 @@ from torch import nn
 from te_lab import device as devices, distributed
 from te_lab.inputs import output_tensors
 
-from . import compiles, correction, intervals
+from . import ceiling, compiles, correction, intervals
 from .device_kernels import device_figures
 from .estimates import BYTES_FORMULA
 from .expert_load import FORMULA as EXPERT_LOAD_FORMULA
@@ -67,6 +67,7 @@ FORMULAS = {
                         "worker-thread events on the CPU, NCCL / MCCL kernels on GPUs), waiting for other ranks "
                         "included; not part of the op time",
     "expert_load": EXPERT_LOAD_FORMULA,
+    "fusion_ceiling": ceiling.FORMULA,
 }
 
 
@@ -131,6 +132,8 @@ def correct_runs(runs: dict, step_medians: dict, device_times: bool) -> dict:
                 region.forward_ms *= scale
                 region.backward_ms *= scale
             trace.attributed_us = attributed_ms * scale * 1e3
+            trace.compute_ms = correction.without_events(trace.compute_us / 1e3, trace.compute_events,
+                                                         per_event_ms) * scale
             event_costs.append(per_event_ms)
             scales.append(scale)
         found[mode] = (statistics.median(event_costs), statistics.median(scales)) if profiled else (0.0, 1.0)
@@ -291,3 +294,14 @@ def utilization(report: ProfileReport, samples: dict, sampler, traces: dict, dev
                 f"mean {series.source} utilization", "both", mean, "fraction",
                 f"mean over samples and channels of {series.formula}",
                 "sampled across the timed steps and the profiled steps among them"))
+
+
+def fusion_ceiling(report: ProfileReport, traces: dict, device: torch.device) -> None:
+    """The report's fusion ceiling (:mod:`.ceiling`) from each mode's compute time (median
+    over its profiled steps, corrected as the modules' times are) and bytes (detail step)."""
+    splits = {mode: ceiling.mode_split(report.modes[mode].step_median_ms, traces[mode].trace.compute_ms,
+                                       traces[mode].trace.step_bytes, traces[mode].trace.compute_bytes)
+              for mode in ("eager", "fused")}
+    bandwidth, source = devices.fusion_bandwidth(device)
+    report.ceiling = ceiling.fusion_ceiling(report.modes["eager"].step_median_ms, report.modes["fused"].step_median_ms,
+                                            splits["eager"], splits["fused"], bandwidth, source)

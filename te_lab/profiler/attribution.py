@@ -41,6 +41,7 @@ from typing import Optional
 
 from torch.autograd import DeviceType
 
+from .ceiling import is_compute
 from .communication import communication_ns
 from .device_kernels import device_kernels
 from .estimates import has_rule, op_cost
@@ -87,6 +88,15 @@ class StepTrace:
     events: dict = field(default_factory=dict)
     recorded_events: int = 0
     event_cost_us: float = 0.0  # what recording one event cost, measured in the step (:func:`event_cost_us`)
+    # The step's compute (GEMMs and attention kernels, :mod:`te_lab.profiler.ceiling`): their
+    # time (host time on the CPU, kernel time on GPUs; corrected by .assembly.correct_runs into
+    # compute_ms), the events recorded inside them, and bytes moved by them and by every op of
+    # the step (with costs)
+    compute_us: float = 0.0
+    compute_events: int = 0
+    compute_ms: float = 0.0
+    compute_bytes: int = 0
+    step_bytes: int = 0
 
 
 def _ancestors(event):
@@ -199,6 +209,8 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
             shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
                                                 f"thread {event.thread}", key or "", phase, shapes))
+        costs_of_op = [_cost(worker, kineto) for worker in _cost_events(event)] if costs else []
+        trace.step_bytes += sum(cost.bytes_moved for cost in costs_of_op if cost is not None)
         if key is None or phase == "optimizer":
             continue
         region = trace.regions.setdefault(key, Region())
@@ -211,13 +223,11 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
             trace.attributed_us += duration_us
             if not on_gpu:
                 _count_events(trace, key, phase, _events_under(event))
-        for worker in (_cost_events(event) if costs else ()):
-            recorded = kineto.get(worker.id)
-            if recorded is None:
-                continue
-            cost = op_cost(worker.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
-            region.bytes_moved += cost.bytes_moved
-            region.flops += cost.flops
+        for cost in costs_of_op:
+            if cost is not None:
+                region.bytes_moved += cost.bytes_moved
+                region.flops += cost.flops
+    _add_compute(trace, events, kineto, on_gpu, costs)
     if not on_gpu:
         _add_wall_times(trace, events, forward_key)
         trace.recorded_events = len(events)
@@ -236,6 +246,27 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
     communication, trace.collectives = communication_ns(events, trace.kernels)
     trace.communication_us = communication / 1e3
     return trace
+
+
+def _cost(event, kineto: dict):
+    """The cost model's bytes and FLOPs of one recorded op (None where kineto lacks it)."""
+    recorded = kineto.get(event.id)
+    if recorded is None:
+        return None
+    return op_cost(event.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
+
+
+def _add_compute(trace: StepTrace, events, kineto: dict, on_gpu: bool, costs: bool) -> None:
+    """The step's compute ops (:func:`te_lab.profiler.ceiling.is_compute`) where no other
+    compute op encloses them: their time, the events inside them and, with costs, their bytes."""
+    for event in events:
+        if not is_compute(event.name) or any(is_compute(a.name) for a in _ancestors(event)):
+            continue
+        trace.compute_us += event.device_time_total if on_gpu else event.time_range.elapsed_us()
+        trace.compute_events += _events_under(event)
+        if costs:
+            trace.compute_bytes += sum(cost.bytes_moved for cost in (_cost(w, kineto) for w in _cost_events(event))
+                                       if cost is not None)
 
 
 def _add_wall_times(trace: StepTrace, events, forward_key: dict) -> None:

@@ -244,6 +244,7 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
     assembly.compare(report, traces, key_info)
     assembly.module_intervals(report, per_round)
     assembly.utilization(report, samples, sampler, traces, dev)
+    assembly.fusion_ceiling(report, traces, dev)
     report.timeline = [event for mode in modes for event in traces[mode.name].trace.timeline]
     report.utilization_series = [vars(series) for series in sampler.series]
     report.utilization_marks = list(sampler.marks)

@@ -109,8 +109,9 @@ def median_run(runs: list[Profiled]) -> Profiled:
     """The first run, with each region's forward and backward time from the run where the
     region's total is the median (lower median for an even count), so the region's total
     is the median total its speedup interval is bootstrapped from (launches, bytes and
-    FLOPs do not vary between runs), and the wall time the median. The runs' times are
-    corrected first (:func:`.assembly.correct_runs`), each to the unprofiled step."""
+    FLOPs do not vary between runs), and the wall time and compute time the medians. The
+    runs' times are corrected first (:func:`.assembly.correct_runs`), each to the
+    unprofiled step."""
     first = runs[0]
     for key, region in first.trace.regions.items():
         found = sorted((r for r in (run.trace.regions.get(key) for run in runs) if r is not None),
@@ -119,14 +120,15 @@ def median_run(runs: list[Profiled]) -> Profiled:
         region.forward_ms, region.backward_ms = middle.forward_ms, middle.backward_ms
     first.trace.attributed_us = sum(r.total_ms for r in first.trace.regions.values()) * 1e3
     first.trace.communication_us = statistics.median(run.trace.communication_us for run in runs)
+    first.trace.compute_ms = statistics.median(run.trace.compute_ms for run in runs)
     first.wall_ms = statistics.median(run.wall_ms for run in runs)
     return first
 
 
 def with_details(timed: Profiled, detail: Profiled) -> Profiled:
     """``timed`` (a step that timed the modules without shapes, FLOPs and memory) with
-    each key's bytes moved and FLOPs, the peak memory, and the timeline's input shapes
-    (the n-th op of a name, module and phase gets the n-th one's shapes) of ``detail``,
+    each key's bytes moved and FLOPs, the step's and its compute's bytes, the peak memory,
+    and the timeline's input shapes (the n-th op of a name, module and phase gets the n-th one's shapes) of ``detail``,
     the same step recorded in detail."""
     for key, region in detail.trace.regions.items():
         timed.trace.regions.setdefault(key, Region()).bytes_moved = region.bytes_moved
@@ -139,4 +141,5 @@ def with_details(timed: Profiled, detail: Profiled) -> Profiled:
         if recorded:
             event.input_shapes = recorded.pop(0)
     timed.peak_memory_bytes, timed.peak_memory_source = detail.peak_memory_bytes, detail.peak_memory_source
+    timed.trace.compute_bytes, timed.trace.step_bytes = detail.trace.compute_bytes, detail.trace.step_bytes
     return timed

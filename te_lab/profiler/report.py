@@ -164,6 +164,82 @@ class Ceilings:
 
 
 @dataclass
+class ModeSplit:
+    """One mode's step split into compute (GEMMs and attention kernels' products, which
+    fusion does not speed up) and the rest (:mod:`te_lab.profiler.ceiling`)."""
+
+    compute_ms: float
+    rest_ms: float
+    compute_bytes: int
+    rest_bytes: int
+
+    @property
+    def compute_share(self) -> float:
+        total = self.compute_ms + self.rest_ms
+        return self.compute_ms / total if total > 0 else 0.0
+
+
+@dataclass
+class FusionCeiling:
+    """How fast the step could get if fusion did all it can: compute as the eager step ran
+    it, the rest at its bytes over the bandwidth (:mod:`te_lab.profiler.ceiling`)."""
+
+    eager_step_ms: float
+    fused_step_ms: float
+    eager: ModeSplit
+    fused: ModeSplit
+    rest_bytes: int  # the fewer of the two modes' bytes outside compute
+    rest_floor_ms: float  # rest_bytes at the bandwidth
+    ceiling_step_ms: float
+    bandwidth_gbs: float
+    bandwidth_source: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FusionCeiling":
+        data = dict(data)
+        data["eager"], data["fused"] = ModeSplit(**data["eager"]), ModeSplit(**data["fused"])
+        return cls(**data)
+
+    @property
+    def ceiling_speedup(self) -> float:
+        return self.eager_step_ms / self.ceiling_step_ms if self.ceiling_step_ms > 0 else float("nan")
+
+    @property
+    def available_gain(self) -> float:
+        """What fusion could buy at most: ceiling speedup - 1."""
+        return self.ceiling_speedup - 1
+
+    @property
+    def achieved_gain(self) -> float:
+        """What te_lab bought: speedup - 1 (negative: slower)."""
+        return self.eager_step_ms / self.fused_step_ms - 1 if self.fused_step_ms > 0 else float("nan")
+
+    @property
+    def share_of_available(self) -> Optional[float]:
+        """te_lab's gain / the available gain; None where fusion can buy nothing here."""
+        return self.achieved_gain / self.available_gain if self.available_gain > 0 else None
+
+    def verdict(self) -> str:
+        """One sentence that tells "fusion cannot help here" from "te_lab is not there yet"."""
+        got, available = self.achieved_gain, self.available_gain
+        compute = f"GEMMs and attention are {100 * self.eager.compute_share:.0f}% of the eager step"
+        if available < SMALL_AVAILABLE_GAIN:
+            return (f"fusion can buy at most {available:+.2f} here ({compute}): fusion cannot help this model "
+                    f"much on this device; te_lab got {got:+.2f}")
+        share = self.share_of_available
+        standing = ("te_lab is near the ceiling" if share >= NEAR_CEILING else
+                    "te_lab's fused step is slower than eager here" if got < 0 else
+                    "te_lab's fusion is not good enough yet: the rest of the gain is left on the table")
+        return f"te_lab got {got:.2f} of the {available:.2f} available ({100 * share:.0f}%; {compute}): {standing}"
+
+
+# Below this available gain (ceiling speedup 1.03x) fusion cannot help a model measurably.
+SMALL_AVAILABLE_GAIN = 0.03
+# From this share of the available gain on, te_lab is "near the ceiling".
+NEAR_CEILING = 0.7
+
+
+@dataclass
 class TimelineEvent:
     mode: str
     name: str
@@ -219,6 +295,9 @@ class ProfileReport:
     # Tokens per expert of every fused MoE block in one fused step (te_lab.profiler.expert_load);
     # None where the profiled models hold none (a trace file, te_lab.open_trace, never has it)
     expert_load: Optional[ExpertLoad] = None
+    # What fusion could buy at most here, and te_lab's share of it (te_lab.profiler.ceiling);
+    # None where the report has no step times (a trace file)
+    ceiling: Optional[FusionCeiling] = None
 
     # ---- views ----------------------------------------------------------------------
 
@@ -227,13 +306,15 @@ class ProfileReport:
         memory traffic change, eager against fused, then launches saved."""
         totals = self.totals
         if totals is None:
-            return [("step time", "-"), ("memory traffic (estimate)", "-"), ("launches saved", "-")]
+            return [("step time", "-"), ("memory traffic (estimate)", "-"), ("launches saved", "-"),
+                ("fusion ceiling", "-")]
         eager, fused = self.modes["eager"], self.modes["fused"]
         traffic = "-" if totals.traffic_change is None else _change(totals.traffic_change)
         return [
             ("step time", step_time_headline(totals, eager.step_median_ms, fused.step_median_ms)),
             ("memory traffic (estimate)", f"{traffic} ({_mib(totals.bytes_saved_estimate)} MiB saved)"),
             ("launches saved", f"{totals.launches_saved} ({eager.launches} -> {fused.launches})"),
+            ("fusion ceiling", ceiling_headline(self.ceiling)),
         ]
 
     def summary(self) -> str:
@@ -260,6 +341,16 @@ class ProfileReport:
              "module times rescaled to the unprofiled step"),
             ("compiles in timed or profiled steps", str(eager.compiles), str(fused.compiles), "expected 0"),
         ]
+        if self.ceiling is not None:
+            split = self.ceiling
+            rows += [
+                ("compute ms (GEMMs, attention)", f"{split.eager.compute_ms:.3f}", f"{split.fused.compute_ms:.3f}",
+                 f"{100 * split.eager.compute_share:.0f}% / {100 * split.fused.compute_share:.0f}% of the step"),
+                ("rest ms (MiB moved)", f"{split.eager.rest_ms:.3f} ({_mib(split.eager.rest_bytes)})",
+                 f"{split.fused.rest_ms:.3f} ({_mib(split.fused.rest_bytes)})",
+                 f"ceiling {split.ceiling_step_ms:.3f} ms: rest at {split.bandwidth_gbs:.3g} GB/s "
+                 f"({split.bandwidth_source})"),
+            ]
         if eager.communication_ms is not None or fused.communication_ms is not None:
             rows.append(("communication ms (profiled step)", _num(eager.communication_ms, 3),
                          _num(fused.communication_ms, 3), f"collectives {eager.collectives}/{fused.collectives}"))
@@ -342,6 +433,7 @@ class ProfileReport:
         data["utilization"] = [Figure(**f) for f in data["utilization"]]
         data["utilization_marks"] = [tuple(mark) for mark in data.get("utilization_marks", [])]
         data["expert_load"] = None if data.get("expert_load") is None else ExpertLoad.from_dict(data["expert_load"])
+        data["ceiling"] = None if data.get("ceiling") is None else FusionCeiling.from_dict(data["ceiling"])
         return cls(**data)
 
     @classmethod
@@ -368,6 +460,13 @@ def _ratio(value: Optional[float]) -> str:
 
 def _interval(low: Optional[float], high: Optional[float]) -> str:
     return "" if low is None or high is None else f"[{low:.2f}, {high:.2f}]"
+
+
+def ceiling_headline(ceiling: Optional[FusionCeiling]) -> str:
+    """The fusion ceiling card: the most fusion could buy and te_lab's share of it."""
+    if ceiling is None:
+        return "-"
+    return f"{_ratio(ceiling.ceiling_speedup)} at most: {ceiling.verdict()}"
 
 
 def step_time_headline(totals: Totals, eager_ms: float, fused_ms: float) -> str:

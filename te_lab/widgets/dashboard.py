@@ -15,6 +15,7 @@ import ipywidgets as widgets
 from .figures import (
     GROUP_BY,
     PHASES,
+    ceiling_figure,
     expert_load_figure,
     gain_rows,
     gains_figure,
@@ -56,7 +57,8 @@ def _window_label(window) -> str:
 
 
 class Dashboard(widgets.VBox):
-    """``Dashboard(report, rerun=None)``: summary cards, then tabs Gains / Timeline /
+    """``Dashboard(report, rerun=None)``: summary cards (the fusion ceiling among them), then
+    tabs Gains (the ceiling's chart below the gains) / Timeline /
     Utilization / Roofline, and Expert load where the report carries it (a heatmap layer x
     expert), and a Re-run button that measures ``rerun`` (a
     :class:`~te_lab.profiler.ProfileRun`) again. The gains tab's "details of" list fills
@@ -71,6 +73,7 @@ class Dashboard(widgets.VBox):
         self.details = widgets.HTML(NO_DETAILS)
         self.other = widgets.HTML()
         self.gains = Plot()
+        self.ceiling = Plot()
         self.timeline_page = widgets.Dropdown(options=[], description="window")
         self.timeline = Plot()
         self.utilization = Plot()
@@ -81,8 +84,8 @@ class Dashboard(widgets.VBox):
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="profiling", layout={"visibility":
                                                                                                        "hidden"})
         self.pages = (
-            widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.other, self.detail_row,
-                          self.details]),
+            widgets.VBox([widgets.HBox([self.group_by, self.phase]), self.gains, self.ceiling, self.other,
+                          self.detail_row, self.details]),
             widgets.VBox([self.timeline_page, self.timeline]),
             widgets.VBox([self.utilization_table, self.utilization]),
             self.roofline,
@@ -113,6 +116,7 @@ class Dashboard(widgets.VBox):
         self.timeline_page.options = [(_window_label(window), index)
                                       for index, window in enumerate(self.timeline_windows)]
         self._draw_timeline(0)
+        self.ceiling.draw(ceiling_figure(report))
         self.utilization.draw(utilization_figure(report))
         self.roofline.draw(roofline_figure(report))
         # The expert load's tab only where the report carries it; otherwise its chart holds nothing.

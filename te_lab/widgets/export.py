@@ -7,6 +7,7 @@ import html
 import pathlib
 
 from .figures import (
+    ceiling_figure,
     expert_load_figure,
     gains_figure,
     roofline_figure,
@@ -15,7 +16,7 @@ from .figures import (
     utilization_figure,
 )
 
-SECTIONS = (("Gains by op kind", gains_figure), ("Timeline", timeline_figure),
+SECTIONS = (("Gains by op kind", gains_figure), ("Fusion ceiling", ceiling_figure), ("Timeline", timeline_figure),
             ("Utilization", utilization_figure), ("Roofline", roofline_figure))
 EXPERT_LOAD_SECTION = ("Expert load", expert_load_figure)  # where the report carries it
 

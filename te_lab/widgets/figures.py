@@ -52,6 +52,35 @@ class GainRow:
         return not (self.speedup_low <= 1.0 <= self.speedup_high)
 
 
+# ---- the fusion ceiling -------------------------------------------------------------------
+
+CEILING_COLORS = {"compute": "#bcbd22", "rest": "#17becf"}
+
+
+def ceiling_figure(report: ProfileReport) -> go.Figure:
+    """Each mode's step split into compute (GEMMs, attention) and the rest, and the fusion
+    ceiling below them: compute as the eager step ran it, the rest at its bytes over the
+    bandwidth. An empty figure that says why where the report has no ceiling."""
+    ceiling = report.ceiling
+    figure = go.Figure()
+    if ceiling is None:
+        figure.add_annotation(text="no fusion ceiling: the report has no step times", showarrow=False)
+        return figure
+    labels = ["eager", "fused", "ceiling"]
+    compute = [ceiling.eager.compute_ms, ceiling.fused.compute_ms, ceiling.eager.compute_ms]
+    rest = [ceiling.eager.rest_ms, ceiling.fused.rest_ms, ceiling.rest_floor_ms]
+    rest_bytes = [ceiling.eager.rest_bytes, ceiling.fused.rest_bytes, ceiling.rest_bytes]
+    figure.add_bar(y=labels, x=compute, orientation="h", name="GEMMs and attention", marker_color=CEILING_COLORS[
+        "compute"], hovertemplate="%{y}: %{x:.3f} ms of GEMMs and attention<extra></extra>")
+    figure.add_bar(y=labels, x=rest, orientation="h", name="the rest", marker_color=CEILING_COLORS["rest"],
+                   customdata=[b / 2**20 for b in rest_bytes],
+                   hovertemplate="%{y}: %{x:.3f} ms for the rest, %{customdata:.1f} MiB moved<extra></extra>")
+    figure.update_layout(barmode="stack", height=220, margin={"l": 70, "r": 20, "t": 50, "b": 40},
+                         title={"text": ceiling.verdict(), "font": {"size": 12}}, xaxis_title="ms per step",
+                         yaxis={"autorange": "reversed"})
+    return figure
+
+
 # ---- fusion gains --------------------------------------------------------------------------
 
 
