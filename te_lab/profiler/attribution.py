@@ -209,8 +209,15 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
             shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
             trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
                                                 f"thread {event.thread}", key or "", phase, shapes))
-        costs_of_op = [_cost(worker, kineto) for worker in _cost_events(event)] if costs else []
-        trace.step_bytes += sum(cost.bytes_moved for cost in costs_of_op if cost is not None)
+        costs_of_op = []
+        for worker in (_cost_events(event) if costs else ()):
+            cost = _cost(worker, kineto)
+            if cost is None:
+                continue
+            costs_of_op.append(cost)
+            trace.step_bytes += cost.bytes_moved
+            if any(is_compute(op.name) for op in (worker, *_ancestors(worker))):
+                trace.compute_bytes += cost.bytes_moved
         if key is None or phase == "optimizer":
             continue
         region = trace.regions.setdefault(key, Region())
@@ -224,10 +231,9 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
             if not on_gpu:
                 _count_events(trace, key, phase, _events_under(event))
         for cost in costs_of_op:
-            if cost is not None:
-                region.bytes_moved += cost.bytes_moved
-                region.flops += cost.flops
-    _add_compute(trace, events, kineto, on_gpu, costs)
+            region.bytes_moved += cost.bytes_moved
+            region.flops += cost.flops
+    _add_compute(trace, events, on_gpu)
     if not on_gpu:
         _add_wall_times(trace, events, forward_key)
         trace.recorded_events = len(events)
@@ -256,17 +262,17 @@ def _cost(event, kineto: dict):
     return op_cost(event.name, recorded.shapes(), recorded.dtypes(), int(recorded.flops()))
 
 
-def _add_compute(trace: StepTrace, events, kineto: dict, on_gpu: bool, costs: bool) -> None:
-    """The step's compute ops (:func:`te_lab.profiler.ceiling.is_compute`) where no other
-    compute op encloses them: their time, the events inside them and, with costs, their bytes."""
+def _add_compute(trace: StepTrace, events, on_gpu: bool) -> None:
+    """The time of the step's compute ops (:func:`te_lab.profiler.ceiling.is_compute`)
+    where no other compute op encloses them, and the events recorded inside them. (Their
+    bytes are counted with every op's, where the cost model reads them: a compute op inside
+    an op costed as a whole, the chunks' GEMMs of te_lab's fused linear cross-entropy,
+    stays in that op's bytes.)"""
     for event in events:
         if not is_compute(event.name) or any(is_compute(a.name) for a in _ancestors(event)):
             continue
         trace.compute_us += event.device_time_total if on_gpu else event.time_range.elapsed_us()
         trace.compute_events += _events_under(event)
-        if costs:
-            trace.compute_bytes += sum(cost.bytes_moved for cost in (_cost(w, kineto) for w in _cost_events(event))
-                                       if cost is not None)
 
 
 def _add_wall_times(trace: StepTrace, events, forward_key: dict) -> None:

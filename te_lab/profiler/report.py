@@ -181,13 +181,14 @@ class ModeSplit:
 
 @dataclass
 class FusionCeiling:
-    """How fast the step could get if fusion did all it can: compute as the eager step ran
+    """How fast the step could get if fusion did all it can: compute as the faster mode ran
     it, the rest at its bytes over the bandwidth (:mod:`te_lab.profiler.ceiling`)."""
 
     eager_step_ms: float
     fused_step_ms: float
     eager: ModeSplit
     fused: ModeSplit
+    compute_ms: float  # the faster of the two modes' compute
     rest_bytes: int  # the fewer of the two modes' bytes outside compute
     rest_floor_ms: float  # rest_bytes at the bandwidth
     ceiling_step_ms: float
@@ -230,13 +231,20 @@ class FusionCeiling:
         standing = ("te_lab is near the ceiling" if share >= NEAR_CEILING else
                     "te_lab's fused step is slower than eager here" if got < 0 else
                     "te_lab's fusion is not good enough yet: the rest of the gain is left on the table")
-        return f"te_lab got {got:.2f} of the {available:.2f} available ({100 * share:.0f}%; {compute}): {standing}"
+        gemms = self.eager.compute_ms - self.fused.compute_ms
+        faster_gemms = (f"; {gemms:.3g} ms of it from the fused step's faster GEMMs and attention"
+                        if got > 0 and gemms > GEMM_CHANGE * self.eager.compute_ms else "")
+        return (f"te_lab got {got:.2f} of the {available:.2f} available ({100 * share:.0f}%; {compute}"
+                f"{faster_gemms}): {standing}")
 
 
 # Below this available gain (ceiling speedup 1.03x) fusion cannot help a model measurably.
 SMALL_AVAILABLE_GAIN = 0.03
 # From this share of the available gain on, te_lab is "near the ceiling".
 NEAR_CEILING = 0.7
+# A change of the compute time by more than this fraction between the modes is named in the
+# verdict (te_lab's linear op may run the projections on another GEMM library).
+GEMM_CHANGE = 0.03
 
 
 @dataclass

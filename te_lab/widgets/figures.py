@@ -59,7 +59,7 @@ CEILING_COLORS = {"compute": "#bcbd22", "rest": "#17becf"}
 
 def ceiling_figure(report: ProfileReport) -> go.Figure:
     """Each mode's step split into compute (GEMMs, attention) and the rest, and the fusion
-    ceiling below them: compute as the eager step ran it, the rest at its bytes over the
+    ceiling below them: compute as the faster mode ran it, the rest at its bytes over the
     bandwidth. An empty figure that says why where the report has no ceiling."""
     ceiling = report.ceiling
     figure = go.Figure()
@@ -67,7 +67,7 @@ def ceiling_figure(report: ProfileReport) -> go.Figure:
         figure.add_annotation(text="no fusion ceiling: the report has no step times", showarrow=False)
         return figure
     labels = ["eager", "fused", "ceiling"]
-    compute = [ceiling.eager.compute_ms, ceiling.fused.compute_ms, ceiling.eager.compute_ms]
+    compute = [ceiling.eager.compute_ms, ceiling.fused.compute_ms, ceiling.compute_ms]
     rest = [ceiling.eager.rest_ms, ceiling.fused.rest_ms, ceiling.rest_floor_ms]
     rest_bytes = [ceiling.eager.rest_bytes, ceiling.fused.rest_bytes, ceiling.rest_bytes]
     figure.add_bar(y=labels, x=compute, orientation="h", name="GEMMs and attention", marker_color=CEILING_COLORS[
