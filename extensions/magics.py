@@ -18,7 +18,7 @@ from IPython.display import display
 from IPython.utils.process import arg_split
 from torch import nn
 
-from te_lab.options import BACKEND_CHOICES, argument_type, check_budget, check_steps, check_warmup
+from te_lab.options import BACKEND_CHOICES, KEEP_CHOICES, argument_type, check_budget, check_steps, check_warmup
 from te_lab.profiler import ProfileRun, profile_generation
 from te_lab.status import status_lines
 from te_lab.surgery import fuse, fusions, is_fused, unfuse
@@ -63,6 +63,9 @@ class TeLabMagics(Magics):
     @argument("--backend", default="auto", choices=BACKEND_CHOICES, help="backend forced on every fused op")
     @argument("--sample", help="inputs for the model, an expression: a tensor, a tuple, or a dict of kwargs")
     @argument("--no-verify", action="store_true", help="swap without probing each module (not recommended)")
+    @argument("--keep", default="faster", choices=KEEP_CHOICES,
+              help="faster (default): twins step aside at sizes where the original measures faster; all: every "
+                   "verified twin runs fused")
     @argument("--auto", action="store_true", help="time each twin and keep only those faster on this device")
     @argument("--dry-run", action="store_true", help="probe the candidates but swap nothing")
     @argument("-o", dest="output", action="store_true",
@@ -83,7 +86,7 @@ class TeLabMagics(Magics):
         sample = None if args.sample is None else self._evaluate(args.sample, "%te_fuse: --sample")
         try:
             report = fuse(model, sample=sample, only=_names(args.only), exclude=_names(args.exclude),
-                                 backend=args.backend, verify=not args.no_verify, auto=args.auto,
+                                 backend=args.backend, verify=not args.no_verify, keep=args.keep, auto=args.auto,
                                  dry_run=args.dry_run)
         except (TypeError, ValueError, RuntimeError) as error:
             raise UsageError(f"%te_fuse: {error}") from None

@@ -221,14 +221,14 @@ def choose(decision: str, shape_class: tuple, candidates: Callable[[], Mapping[s
     return choice
 
 
-def fastest_now(candidates: Mapping[str, Callable[[], object]]) -> str:
-    """The fastest of ``candidates`` (name -> a callable running one sample), timed now as
-    a decision is (first calls, warm-up, interleaved rounds, medians) and kept nowhere:
-    for a choice that depends on code outside te_lab, such as a twin against the module
-    it replaces (:class:`te_lab.modules.FusedModule`), which a cache file would outlive."""
+def median_times_now(candidates: Mapping[str, Callable[[], object]]) -> dict[str, float]:
+    """Median microseconds per sample of each of ``candidates`` (name -> a callable running
+    one sample), timed now as a decision is (first calls, warm-up, interleaved rounds) and
+    kept nowhere: for a choice that depends on code outside te_lab, such as a twin against
+    the module it replaces (:mod:`te_lab.modules.stepping_aside`), which a cache file would
+    outlive."""
     with _own_saved_tensors():
-        times = _median_times_us(candidates)
-    return min(times, key=times.get)
+        return _median_times_us(candidates)
 
 
 def decisions() -> dict[str, dict]:

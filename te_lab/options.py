@@ -48,6 +48,17 @@ def check_backend(value, caller: str) -> Optional[str]:
     return value
 
 
+KEEP_CHOICES = ("faster", "all")
+
+
+def check_keep(value, caller: str) -> str:
+    """Which verified swaps ``fuse`` keeps running fused: ``"faster"`` (a twin steps aside
+    at sizes where the original measured faster) or ``"all"``."""
+    if value not in KEEP_CHOICES:
+        raise ValueError(f"{caller}: keep must be one of {', '.join(map(repr, KEEP_CHOICES))}, got {value!r}")
+    return value
+
+
 def argument_type(check: Callable) -> Callable[[str], int]:
     """An argparse ``type`` for a numeric option checked by ``check``: the parser's
     message then reads ``argument --steps: steps must be a positive integer or 'auto',

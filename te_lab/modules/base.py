@@ -8,14 +8,12 @@ adds nothing to ``state_dict`` or ``parameters()``) for :func:`te_lab.unfuse` an
 the calls a twin hands back to it (e.g. a KV-cache decode step).
 
 A twin whose forward has no side effects (``measured_against_original``: the norms and
-MLPs) may also hand a call back when fusing does not pay for it: in eval mode, for a call
-without gradients (a decode step), the twin's fused forward and the original's are timed
-against each other once per class of the call (the rows of its first tensor, rounded up
-to a power of two, its dtype and the twin's structure) on that call's inputs, and the
-faster runs every such call from then on. At one row, what the fused ops cost around
-their kernels can exceed what they save; stepping aside then costs one lookup. Under
-torch.compile, a decode step without gradients is the original's for every twin
-(:func:`te_lab.modules.direct.compiled_decode`): Inductor fuses the original's math itself.
+MLPs) may also hand a call back where fusing does not pay for it: timed against the
+original once per class of call, training calls forward and backward, others forward
+alone, the original runs every call of a class it was measurably faster for
+(:mod:`.stepping_aside`). Under torch.compile, a decode step without gradients is the
+original's for every twin (:func:`te_lab.modules.direct.compiled_decode`): Inductor fuses
+the original's math itself.
 """
 
 from __future__ import annotations
@@ -23,21 +21,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from te_lab.kernels import measured_choice
 from te_lab.kernels.registry import FusedOp, describe_backend
 
-from .direct import compiled_decode, direct_calls_allowed
-
-# ((twin class, its description, its parameters' shapes), dtype, rows class) -> whether such
-# a call runs the original: measured once per process (the original's code is not te_lab's to cache).
-_STEPS_ASIDE: dict[tuple, bool] = {}
-
-
-def _first_argument(args: tuple, kwargs: dict):
-    """A call's input: its first positional argument, else its first keyword's value."""
-    return args[0] if args else next(iter(kwargs.values()), None)
+from . import stepping_aside
+from .direct import compiled_decode
 
 
 class FusedModule(nn.Module):
@@ -74,44 +63,14 @@ class FusedModule(nn.Module):
         self.train(original.training)
 
     def forward(self, *args, **kwargs):
-        if self.measured_against_original and not self.training and self._steps_aside(args, kwargs):
+        if self.measured_against_original and stepping_aside.steps_aside(self, args, kwargs):
             return self.original.forward(*args, **kwargs)
-        if compiled_decode(self, _first_argument(args, kwargs)):
+        if compiled_decode(self, stepping_aside.first_argument(args, kwargs)):
             return self.original.forward(*args, **kwargs)
         return self.fused_forward(*args, **kwargs)
 
     def fused_forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} defines neither forward nor fused_forward")
-
-    def _steps_aside(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this call runs the original: only without gradients, with every op
-        choosing automatically, outside torch.compile, autocast and dispatch or function
-        modes (where the twin's ops may also run their kernels directly)."""
-        if "pinned_backends" in self.__dict__ or not direct_calls_allowed(self):
-            return False
-        x = _first_argument(args, kwargs)
-        if not isinstance(x, Tensor) or x.dim() == 0 or x.device.type != "cpu":
-            return False
-        structure = self.__dict__.get("_structure")
-        if structure is None:
-            structure = self.__dict__["_structure"] = (
-                type(self), self.extra_repr(), tuple(tuple(p.shape) for p in self.parameters()))
-        key = (structure, x.dtype, measured_choice.size_class(x.numel() // max(x.shape[-1], 1)))
-        aside = _STEPS_ASIDE.get(key)
-        if aside is None:
-            aside = _STEPS_ASIDE[key] = self._measure_against_original(args, kwargs)
-        return aside
-
-    def _measure_against_original(self, args: tuple, kwargs: dict) -> bool:
-        inside = [module for module in self.original.modules() if module is not self.original]
-        if not measured_choice.measuring_enabled() or any(
-                module._forward_hooks or module._forward_pre_hooks for module in inside):
-            return False  # hooks inside would fire in every sample (the twin's own fire once, around it)
-        with torch.no_grad():
-            faster = measured_choice.fastest_now({
-                "fused": lambda: self.fused_forward(*args, **kwargs),
-                "original": lambda: self.original.forward(*args, **kwargs)})
-        return faster == "original"
 
     def backend_for(self, op: FusedOp) -> Optional[str]:
         """The backend to pass to ``op``: one pinned for it (:meth:`pin_backend`), else the

@@ -29,7 +29,8 @@ from te_lab import distributed
 from te_lab.inputs import as_call_inputs, output_tensors
 from te_lab.kernels.linear import LINEAR
 from te_lab.kernels.registry import forced_backend, recording_choices
-from te_lab.options import check_backend
+from te_lab.modules import stepping_aside
+from te_lab.options import check_backend, check_keep
 
 from . import hooks, report as reports
 from .inspection import tensor_like
@@ -93,9 +94,10 @@ class _Progress:
 
 
 class _Fuser:
-    def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, auto: bool, dry_run: bool,
+    def __init__(self, model: nn.Module, options: BuildOptions, verify: bool, keep: str, auto: bool, dry_run: bool,
                  captured: dict[str, ProbeInputs], sample_shape: Optional[tuple[int, int]], device: torch.device):
         self.model, self.options, self.verify, self.auto, self.dry_run = model, options, verify, auto, dry_run
+        self.keep = keep
         self.captured, self.sample_shape, self.device = captured, sample_shape, device
         self.swaps: list[Swap] = []
         self.replaced: list[str] = []  # paths whose module a twin replaced (or would replace, in a dry run)
@@ -192,7 +194,8 @@ class _Fuser:
                 row.original_grad_max_abs = result.original_grad_max_abs
                 row.truth = result.truth
             if self.auto:
-                with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module):
+                with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module), \
+                        stepping_aside.running_fused():
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
                         original, twin, probed, trainable_parameters(module), match.constant_inputs,
                         match.probe_outputs or output_tensors, self.device)
@@ -217,8 +220,31 @@ class _Fuser:
                         [] if match.replaces_forward else sites_of(self.model, module))
             swap.install()
             self.swaps.append(swap)
+            self._decide_stepping_aside(twin, row, inputs if source == "sample" else None)
             return row
         return None
+
+    def _decide_stepping_aside(self, twin, row: reports.FusionRow, sample: Optional[ProbeInputs]) -> None:
+        """``keep="all"``: the twin runs fused at every size. ``keep="faster"``: for a twin
+        that may step aside, the training calls of the sample's sizes are decided now (once
+        per layer structure), and the row says what was measured."""
+        if not getattr(twin, "measured_against_original", False):
+            return
+        if self.keep == "all":
+            stepping_aside.keep_fused(twin)
+            return
+        if sample is None or self.auto:
+            return
+        decision = stepping_aside.decide(twin, sample.args, sample.kwargs, training=True)
+        if decision is None or decision.speedup is None:
+            return
+        row.time_original_ms, row.time_fused_ms = decision.original_us / 1e3, decision.fused_us / 1e3
+        row.speedup, row.steps_aside = decision.speedup, decision.aside
+        if decision.aside:
+            row.reason = "; ".join(filter(None, (row.reason, (
+                f"steps aside at the sample's sizes: the original ran forward + backward in "
+                f"{row.time_original_ms:.3g} ms against the twin's {row.time_fused_ms:.3g} ms (medians; other sizes "
+                f"are measured when they first run; keep='all' runs it fused)"))))
 
     def _backends_that_ran(self, twin) -> dict[str, str]:
         """Op name -> the backend(s) the twin's ops ran on in its last probe (``cpp``,
@@ -255,7 +281,7 @@ class _Fuser:
     def _probe_on(self, module: nn.Module, original, twin, inputs: ProbeInputs, match: Match) -> ProbeResult:
         try:
             with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module), \
-                    recording_choices() as self.ran:
+                    stepping_aside.running_fused(), recording_choices() as self.ran:
                 return probe(original, twin, inputs, trainable_parameters(module), match.constant_inputs,
                              match.probe_outputs, truth_roots=[module],
                              whole_model_head=module.get_submodule(twin.head_name) if match.replaces_forward else None)
@@ -331,7 +357,7 @@ def _modules_of(module: nn.Module, twin: Any) -> list[nn.Module]:
 
 
 def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backend: str = "auto",
-         verify: bool = True, auto: bool = False, dry_run: bool = False,
+         verify: bool = True, keep: str = "faster", auto: bool = False, dry_run: bool = False,
          progress: Optional[bool] = None) -> reports.FusionReport:
     """Swap ``model``'s layers for fused twins, in place, and report what was done.
 
@@ -343,6 +369,12 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
       globs (``"model.layers.0.*"``), one or a list.
     - ``backend``: ``"auto"``, or a backend forced on every fused op that has it.
     - ``verify=False`` swaps without probing (not recommended).
+    - ``keep="faster"`` (the default): a verified twin of a module without side effects
+      (norms, MLPs) steps aside, handing the call to the original, at the sizes where the
+      original measures faster on this machine (:mod:`te_lab.modules.stepping_aside`);
+      with a sample, the training calls of its sizes are decided now, once per layer
+      structure, and the report's rows say which step aside and why. ``keep="all"``:
+      every verified twin runs fused at every size (to study the kernels).
     - ``auto=True`` times each verified twin against its original (forward + backward
       on the probe, interleaved medians) and keeps only the faster ones.
     - ``dry_run=True`` finds, builds and probes (and with ``auto``, times) every candidate
@@ -363,6 +395,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     distributed.refuse_sharded(model, "te_lab.fuse", "probes would run its modules outside the hooks that gather "
                                "their shards; fuse the model before sharding it")
     requested = check_backend(backend, "te_lab.fuse")
+    check_keep(keep, "te_lab.fuse")
     if auto and not verify:
         raise ValueError("te_lab.fuse: auto=True times verified swaps; it cannot be combined with verify=False")
     if verify and torch.is_inference_mode_enabled():
@@ -386,7 +419,7 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
             raise ValueError(f"te_lab.fuse: running the model on sample failed: {type(error).__name__}: {error}") \
                 from error
         bar.step()
-    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, auto, dry_run, captured,
+    fuser = _Fuser(model, BuildOptions(requested, selection.enabled_rules), verify, keep, auto, dry_run, captured,
                    sample_shape(sample_inputs), device)
     rows = []
     report = reports.FusionReport(type(model).__name__, str(device), backend or "auto", rows, already)
@@ -401,7 +434,9 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         if sample_inputs is not None and fuser.swaps:
             fuser.current = "the whole model's check"
             bar.phase("checking the whole model")
-            report.model_check = check_model(model, sample_inputs, before, device, fuser.swaps, fuser.sample_shape)
+            with stepping_aside.running_fused():
+                report.model_check = check_model(model, sample_inputs, before, device, fuser.swaps,
+                                                 fuser.sample_shape)
         if sample_inputs is not None:
             bar.step()
     except BaseException as error:
@@ -417,6 +452,11 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     record_swaps(model, fuser.swaps)
     if dry_run:
         report.notes.append("dry run: nothing was swapped")
+    aside = [row for row in rows if row.steps_aside]
+    if aside:
+        report.notes.append(f"{len(aside)} fused twin(s) step aside at the sample's sizes, where the original "
+                            f"measured faster on this machine (training calls, forward + backward): "
+                            f"{', '.join(sorted({row.rule for row in aside}))}; keep='all' runs them fused")
     if any(row.rule == "lm_head_loss" and row.status == reports.FUSED for row in rows):
         report.notes.append("lm_head_loss: called with labels, the model returns the loss and logits=None "
                             "(the full logits are never materialized); without labels it returns logits as before")

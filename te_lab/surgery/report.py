@@ -26,7 +26,8 @@ class FusionRow:
     ``probe`` says where its inputs came from (``sample``, ``synthesized``;
     a fused row verified on synthesized inputs because the sample's probe compared
     nothing says why in ``reason``). ``speedup`` (original time
-    / fused time, forward + backward, medians) is measured with ``fuse(auto=True)``."""
+    / fused time, forward + backward, medians) is measured with ``fuse(auto=True)``, and
+    with the default ``keep="faster"`` for the twins that may step aside (``steps_aside``)."""
 
     path: str
     original_type: str
@@ -51,6 +52,9 @@ class FusionRow:
     time_original_ms: Optional[float] = None
     time_fused_ms: Optional[float] = None
     speedup: Optional[float] = None
+    # keep="faster": whether the twin hands the training calls of the sample's sizes to the
+    # original (measured slower there); None where that was not decided
+    steps_aside: Optional[bool] = None
 
     @property
     def label(self) -> str:
