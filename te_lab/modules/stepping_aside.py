@@ -119,8 +119,8 @@ def _may_step_aside(twin: nn.Module) -> bool:
     """Outside :func:`running_fused`, ``twin`` not kept fused, every op of it choosing its
     backend itself, outside torch.compile, autocast and dispatch or function modes."""
     return not (_running_fused or "pinned_backends" in twin.__dict__ or twin.__dict__.get("keeps_fused")
-                or twin.backend is not None or registry.backends_forced() or torch.compiler.is_compiling() or any_autocast_enabled()
-                or dispatch_modes_active() or function_modes_active())
+                or twin.backend is not None or registry.backends_forced() or torch.compiler.is_compiling()
+                or any_autocast_enabled() or dispatch_modes_active() or function_modes_active())
 
 
 def _structure(twin: nn.Module) -> tuple:
