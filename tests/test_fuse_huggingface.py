@@ -151,8 +151,12 @@ def assert_same_grads(model, reference):
     assert grads.keys() == expected.keys() and len(grads) > 0
     for name, grad in grads.items():
         # fp32 tolerance even for the weight and embedding gradients, sums over every token
-        # of the batch: at these sizes they differ by ~1e-7 (docs/design.md allows 1e-4 there).
-        assert_close(grad, expected[name], **TOLERANCES[torch.float32]), name
+        # of the batch (docs/design.md allows 1e-4 there), its atol scaled by the gradient's
+        # largest element: where te_lab's linear op runs the projections on oneDNN (measured
+        # faster on a 2-core EPYC of family 26) they differ by up to 3e-7 of it, 1.9e-5 of 58.
+        tolerance = dict(TOLERANCES[torch.float32])
+        tolerance["atol"] *= max(1.0, float(expected[name].abs().max()))
+        assert_close(grad, expected[name], **tolerance), name
 
 
 # ---- 1. losses, logits and gradients ------------------------------------------------

@@ -136,4 +136,4 @@ def test_the_dashboard_draws_the_heatmap_only_where_the_report_has_load(report):
 def test_the_static_export_adds_the_heatmap(report, tmp_path):
     pytest.importorskip("plotly")
     text = te_lab.to_html(report, tmp_path / "moe.html").read_text(encoding="utf-8")
-    assert text.count('class="plotly-graph-div"') == 5 and "Expert load" in text and '"heatmap"' in text
+    assert text.count('class="plotly-graph-div"') == 6 and "Expert load" in text and '"heatmap"' in text

@@ -177,3 +177,28 @@ def test_measured_for_real_the_outputs_stay_the_originals(fresh_decisions):
     assert {key[0][0] for key in stepping_aside._DECISIONS} == {FusedGatedMLP, FusedRMSNorm}
     assert not any(twin.measured_against_original for twin in model.modules()
                    if isinstance(twin, FusedModule) and not isinstance(twin, (FusedGatedMLP, FusedRMSNorm)))
+
+
+class Doubled(torch.nn.Module):
+    """A child put in a twin's place after fusing, as PEFT puts its LoRA layers."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return 2 * self.inner(x)
+
+
+def test_stepping_aside_runs_the_child_put_in_the_twins_place(fresh_decisions, monkeypatch):
+    model, reference, batch, _ = fused_llama()
+    monkeypatch.setattr(measured_choice, "median_times_now", timed(original=1.0, fused=2.0)[0])
+    for twin, plain in zip(twins_of(model, FusedGatedMLP), [m for m in reference.modules()
+                                                           if type(m).__name__ == "LlamaMLP"]):
+        twin.up_proj = Doubled(twin.up_proj)
+        plain.up_proj = Doubled(plain.up_proj)
+    ids = batch["input_ids"]
+    model(ids).logits.sum().backward()  # the original runs: with the doubled up projection
+    with torch.no_grad():
+        assert_close(model(ids).logits, reference(ids).logits)
+    assert all(isinstance(twin.original.up_proj, Doubled) for twin in twins_of(model, FusedGatedMLP))

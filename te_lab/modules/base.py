@@ -64,7 +64,9 @@ class FusedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.measured_against_original and stepping_aside.steps_aside(self, args, kwargs):
-            return self.original.forward(*args, **kwargs)
+            # The twin's current children and tensors first: a LoRA layer PEFT put in the
+            # twin's place, a Parameter replaced by load_state_dict(assign=True).
+            return self.restore_original().forward(*args, **kwargs)
         if compiled_decode(self, stepping_aside.first_argument(args, kwargs)):
             return self.original.forward(*args, **kwargs)
         return self.fused_forward(*args, **kwargs)

@@ -132,14 +132,15 @@ def _structure(twin: nn.Module) -> tuple:
 
 
 def _measure(twin: nn.Module, args: tuple, kwargs: dict, training: bool, rows: int) -> Decision:
-    inside = [module for module in twin.original.modules() if module is not twin.original]
+    original = twin.restore_original()  # with the twin's current children (PEFT's adapters) and tensors
+    inside = [module for module in original.modules() if module is not original]
     if not measured_choice.measuring_enabled() or any(
             module._forward_hooks or module._forward_pre_hooks for module in inside):
         return Decision(False, training, rows)
     with torch.random.fork_rng(devices=[]):  # a dropout child draws in every sample
         times = measured_choice.median_times_now({
             "fused": _sample(twin, twin.fused_forward, args, kwargs, training),
-            "original": _sample(twin, twin.original.forward, args, kwargs, training)})
+            "original": _sample(twin, original.forward, args, kwargs, training)})
     return Decision(times["original"] < (1 - MARGIN) * times["fused"], training, rows, times["original"],
                     times["fused"])
 
