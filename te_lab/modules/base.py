@@ -104,9 +104,10 @@ class FusedModule(nn.Module):
         for store in ("_parameters", "_buffers", "_modules"):
             theirs = getattr(original, store)
             for name, value in getattr(self, store).items():
-                if name in theirs:
+                if name in theirs and theirs[name] is not value:
                     theirs[name] = value
-        original.train(self.training)
+        if original.training != self.training:  # train() walks every child: not on each call stepping aside
+            original.train(self.training)
         return original
 
     def extra_repr(self) -> str:
