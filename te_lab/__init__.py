@@ -8,6 +8,7 @@ from te_lab import device, distributed, kernels, models, modules, optim
 from te_lab.kernels import use_backend
 from te_lab.profiler import GenerationProfile, ProfileReport, ProfileRun, profile, profile_generation
 from te_lab.profiler.gpu_trace import open_trace
+from te_lab.profiler.opportunities import opportunities
 from te_lab.surgery import (
     BuildOptions,
     FusionReport,
@@ -79,6 +80,7 @@ __all__ = [
     "modules",
     "open_trace",
     "optim",
+    "opportunities",
     "profile",
     "profile_generation",
     "register_rule",

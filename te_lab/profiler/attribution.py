@@ -35,6 +35,7 @@ bytes moved and FLOPs, and the timeline.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Optional
@@ -44,7 +45,7 @@ from torch.autograd import DeviceType
 from .ceiling import is_compute
 from .communication import communication_ns
 from .device_kernels import device_kernels
-from .estimates import has_rule, op_cost
+from .estimates import element_size, has_rule, op_cost
 from .kineto import live_activities
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Region, TimelineEvent
@@ -125,17 +126,25 @@ def _cost_events(event):
     """The ops under (and including) a top-level op that do its work: an op with a cost
     rule of its own (te_lab's ops, GEMMs, copies, reductions) as a whole, else the ops
     inside it, views left out (``aten::mm`` calls ``aten::resolve_conj`` on its operands,
-    and ``aten::addmm`` copies its bias into the output first: neither is the GEMM)."""
+    and ``aten::addmm`` copies its bias into the output first: neither is the GEMM). Ops on
+    0-dim tensors alone inside another op are its scalar arguments' conversion
+    (``x * 1.7`` runs ``aten::to`` on the wrapped 1.7), not its work, and are left out too."""
     if event.name.startswith("te_lab::") or has_rule(event.name):
         yield event
         return
-    children = [child for child in event.cpu_children if _is_op(child) and child.name not in VIEW_OPS]
+    children = [child for child in event.cpu_children
+                if _is_op(child) and child.name not in VIEW_OPS and not _on_scalars_only(child)]
     if not children:
         if event.name not in VIEW_OPS:
             yield event
         return
     for child in children:
         yield from _cost_events(child)
+
+
+def _on_scalars_only(event) -> bool:
+    shapes = event.input_shapes or []
+    return bool(shapes) and all(not shape for shape in shapes)
 
 
 NO_DEVICE_ACTIVITY_NOTE = ("{mode}: the GPU trace holds no device activity (CUPTI / MUPTI unavailable, or not "
@@ -205,10 +214,6 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
         recorded = kineto.get(event.id)
         if on_gpu and recorded is not None:
             host_ops[event.id] = HostOp(recorded.start_ns(), recorded.end_ns(), key or "", phase)
-        if not on_gpu:
-            shapes = [list(shape) for shape in recorded.shapes() if shape] if recorded is not None else []
-            trace.timeline.append(TimelineEvent(mode, event.name, event.time_range.start - start, duration_us,
-                                                f"thread {event.thread}", key or "", phase, shapes))
         costs_of_op = []
         for worker in (_cost_events(event) if costs else ()):
             cost = _cost(worker, kineto)
@@ -218,6 +223,9 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
             trace.step_bytes += cost.bytes_moved
             if any(is_compute(op.name) for op in (worker, *_ancestors(worker))):
                 trace.compute_bytes += cost.bytes_moved
+        if not on_gpu:
+            trace.timeline.append(_timeline_event(mode, event, recorded, event.time_range.start - start, duration_us,
+                                                  key or "", phase, costs_of_op if costs else None))
         if key is None or phase == "optimizer":
             continue
         region = trace.regions.setdefault(key, Region())
@@ -252,6 +260,20 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
     communication, trace.collectives = communication_ns(events, trace.kernels)
     trace.communication_us = communication / 1e3
     return trace
+
+
+def _timeline_event(mode: str, event, recorded, start_us: float, duration_us: float, key: str, phase: str,
+                    costs: Optional[list]) -> TimelineEvent:
+    """A top-level op on the CPU's timeline; with ``costs`` (a detail step), its bytes."""
+    pairs = [(list(shape), dtype) for shape, dtype in zip(recorded.shapes(), recorded.dtypes()) if shape] \
+        if recorded is not None else []
+    timeline_event = TimelineEvent(mode, event.name, start_us, duration_us, f"thread {event.thread}", key, phase,
+                                   [shape for shape, _ in pairs])
+    if costs is not None and recorded is not None:
+        timeline_event.bytes_read = sum(cost.bytes_read for cost in costs)
+        timeline_event.bytes_written = sum(cost.bytes_written for cost in costs)
+        timeline_event.input_bytes = [math.prod(shape) * (element_size(dtype) or 0) for shape, dtype in pairs]
+    return timeline_event
 
 
 def _cost(event, kineto: dict):

@@ -128,18 +128,21 @@ def median_run(runs: list[Profiled]) -> Profiled:
 def with_details(timed: Profiled, detail: Profiled) -> Profiled:
     """``timed`` (a step that timed the modules without shapes, FLOPs and memory) with
     each key's bytes moved and FLOPs, the step's and its compute's bytes, the peak memory,
-    and the timeline's input shapes (the n-th op of a name, module and phase gets the n-th one's shapes) of ``detail``,
+    and the timeline's input shapes and bytes (the n-th op of a name, module and phase gets
+    the n-th one's) of ``detail``,
     the same step recorded in detail."""
     for key, region in detail.trace.regions.items():
         timed.trace.regions.setdefault(key, Region()).bytes_moved = region.bytes_moved
         timed.trace.regions[key].flops = region.flops
     shapes: dict = {}
     for event in detail.trace.timeline:
-        shapes.setdefault((event.name, event.path, event.phase), []).append(event.input_shapes)
+        shapes.setdefault((event.name, event.path, event.phase), []).append(event)
     for event in timed.trace.timeline:
         recorded = shapes.get((event.name, event.path, event.phase))
         if recorded:
-            event.input_shapes = recorded.pop(0)
+            detailed = recorded.pop(0)
+            event.input_shapes, event.input_bytes = detailed.input_shapes, detailed.input_bytes
+            event.bytes_read, event.bytes_written = detailed.bytes_read, detailed.bytes_written
     timed.peak_memory_bytes, timed.peak_memory_source = detail.peak_memory_bytes, detail.peak_memory_source
     timed.trace.compute_bytes, timed.trace.step_bytes = detail.trace.compute_bytes, detail.trace.step_bytes
     return timed

@@ -171,3 +171,12 @@ def statement_modes(run: Callable[[], Any], models: dict) -> tuple[list[Mode], d
     """``te_lab.profile_statement``'s two modes of ``run`` over ``models`` (name -> fused
     model), and key -> (kind, module type, verification)."""
     return _fused_models_modes(run, models, [])
+
+
+def model_mode(model: nn.Module, inputs, name: str) -> Mode:
+    """One mode of ``model`` on ``inputs``: ``"eager"`` runs a fused model inside
+    ``te_lab.unfused``, ``"fused"`` (or an unfused model) runs it as it is."""
+    prepared, input_leaves = _floating_leaves(inputs)
+    context = (lambda: unfused(model)) if name == "eager" and is_fused(model) else contextlib.nullcontext
+    leaves = [p for p in model.parameters() if p.requires_grad] + input_leaves
+    return Mode(name, _caller(model, prepared), context, leaves, dict)

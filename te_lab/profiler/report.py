@@ -257,6 +257,11 @@ class TimelineEvent:
     path: str
     phase: str  # "forward" | "backward" | "optimizer"
     input_shapes: list = field(default_factory=list)  # of the op's tensor inputs, as recorded
+    # From a step recorded in detail (the cost model; None where no shapes were recorded): the
+    # op's bytes read and written, and each tensor input's bytes, in input_shapes' order.
+    bytes_read: Optional[int] = None
+    bytes_written: Optional[int] = None
+    input_bytes: list = field(default_factory=list)
 
 
 @dataclass
