@@ -66,6 +66,11 @@ VIEW_OPS = frozenset({
 })
 
 
+# torch.compile's autograd function around a compiled graph's forward: its node
+# (CompiledFunctionBackward) runs the compiled backward, and carries its sequence number.
+COMPILED_FORWARDS = frozenset({"CompiledFunction"})
+
+
 def _is_op(event) -> bool:
     return event.name.startswith(OP_NAMESPACES)
 
@@ -182,7 +187,7 @@ def attribute(profiler, mode: str, loss_key: Optional[str], on_gpu: bool, costs:
     # next module's first node: the last op to record a number is the one that made its node.
     forward_key: dict[int, Optional[str]] = {}
     for event in sorted(events, key=lambda e: e.time_range.start):
-        if _is_op(event) and event.sequence_nr >= 0 and not any(
+        if (_is_op(event) or event.name in COMPILED_FORWARDS) and event.sequence_nr >= 0 and not any(
                 a.name.startswith(BACKWARD_PREFIX) for a in _ancestors(event)):
             key = region_of(event)
             if key is None and any(op.name in LOSS_OPS for op in (event, *_ancestors(event))):

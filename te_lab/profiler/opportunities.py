@@ -53,6 +53,8 @@ from .modes import Mode, model_mode
 from .opportunity_table import FUSED_BYTES_FORMULA, GAIN_FORMULA, Opportunity, ranked, table_lines
 
 MIN_CHAIN_OPS = 2
+# Profiled steps recording times, whose medians the rows take.
+STEPS = 3
 # Ops that move at most this many bytes time the launch a fused kernel still pays.
 LAUNCH_BYTES = 4096
 ROOT_KEY = "(model)"
@@ -93,6 +95,9 @@ class Opportunities:
     bandwidth_source: str = ""
     launch_us: float = 0.0
     formulas: dict = field(default_factory=dict)
+    # Module path -> [forward, backward] ms, its own time in the finder's step (wall time;
+    # the modules nested in it left out), from which realized gains are measured.
+    module_ms: dict = field(default_factory=dict)
 
     def top(self, count: int = 10) -> list[Opportunity]:
         return self.rows[:count]
@@ -111,9 +116,9 @@ class Opportunities:
                  f"attention): {len(self.rows)} unfused chain pattern(s), {self.chains_ms:.2f} ms, estimated gain "
                  f"{self.estimated_gain_ms:.2f} ms at {self.bandwidth_gbs:.0f} GB/s ({self.bandwidth_source}) and "
                  f"{self.launch_us:.1f} us per launch",
-                 f"  outside compute: chains' ops {a.chain_ops_ms:.2f} ms, single ops {a.single_ops_ms:.2f}, te_lab ops "
-                 f"{a.te_lab_ops_ms:.2f}, outside modules {a.outside_modules_ms:.2f}, views {a.views_ms:.2f}, "
-                 f"between ops {a.between_ops_ms:.2f} (of {a.non_compute_ms:.2f} ms)"]
+                 f"  outside compute: chains' ops {a.chain_ops_ms:.2f} ms, single ops {a.single_ops_ms:.2f}, "
+                 f"te_lab ops {a.te_lab_ops_ms:.2f}, outside modules {a.outside_modules_ms:.2f}, "
+                 f"views {a.views_ms:.2f}, between ops {a.between_ops_ms:.2f} (of {a.non_compute_ms:.2f} ms)"]
         return "\n".join(lines + table_lines(self.rows, top))
 
     def __str__(self) -> str:
@@ -122,12 +127,61 @@ class Opportunities:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def inclusive_ms(self, path: str, phase: str) -> float:
+        """The ``phase`` time of the module at ``path`` with everything nested in it (what a
+        compiled region replaces)."""
+        index = 1 if phase == "backward" else 0
+        return sum(times[index] for key, times in self.module_ms.items() if key == path or key.startswith(path + "."))
+
+    def realized(self, after: "Opportunities") -> "Opportunities":
+        """A copy of these rows with ``realized_gain_ms``: what each row's modules saved in
+        ``after`` (a later step of the same model, with regions or twins in place), the
+        modules' times with everything nested in them, before less after. A module's saving
+        in a phase is shared among its rows of that phase by their estimated gains; a row
+        whose realized gain is outside +-30% of its estimate says why in its note."""
+        copy = Opportunities.from_dict(self.to_dict())
+        by_modules: dict = {}
+        for row in copy.rows:
+            by_modules.setdefault((tuple(sorted(row.paths)), row.phase), []).append(row)
+        for (paths, phase), rows in by_modules.items():
+            before = sum(self.inclusive_ms(path, phase) for path in paths)
+            now = sum(after.inclusive_ms(path, phase) for path in paths)
+            estimated = sum(row.estimated_gain_ms or 0.0 for row in rows)
+            for row in rows:
+                share = (row.estimated_gain_ms or 0.0) / estimated if estimated > 0 else 1 / len(rows)
+                row.realized_gain_ms = (before - now) * share
+                row.note = _realized_note(row, before, now)
+        return copy
+
     @classmethod
     def from_dict(cls, data: dict) -> "Opportunities":
         data = dict(data)
         data["rows"] = [Opportunity.from_dict(row) for row in data["rows"]]
         data["accounting"] = Accounting(**data["accounting"])
         return cls(**data)
+
+
+REALIZED_SLACK = 0.3
+
+
+def _realized_note(row: Opportunity, before_ms: float, after_ms: float) -> str:
+    estimated = row.estimated_gain_ms or 0.0
+    realized = row.realized_gain_ms or 0.0
+    text = f"realized {realized:.3g} ms of the estimated {estimated:.3g} ms"
+    if estimated > 0 and abs(realized - estimated) <= REALIZED_SLACK * estimated:
+        return text + " (within 30%)"
+    if after_ms >= before_ms:
+        return text + (f": the module ran {after_ms:.3g} ms after against {before_ms:.3g} ms before, no faster "
+                       f"(not fused, or its fused code is no quicker here)")
+    bound = row.fused_ms or 0.0
+    if realized > estimated:
+        return text + (f": the modules saved more than the chain's time, {after_ms:.3g} ms after against "
+                       f"{before_ms:.3g} ms before: the region also removed other work of theirs (single ops, the "
+                       f"Python and autograd engine between ops, a slower eager kernel of the same math)")
+    return text + (f": the modules now take {after_ms:.3g} ms where the estimate's bound is {bound:.3g} ms for the "
+                   f"chain alone; the bound costs only the bytes at the copy bandwidth and one launch, while compiled "
+                   f"code also pays its math (exp, tanh, division), its own launches and the other ops the modules "
+                   f"hold")
 
 
 def every_module(models: dict) -> dict:
@@ -257,32 +311,21 @@ def _rule_answer(module: nn.Module) -> str:
     return ""
 
 
-def find(mode: Mode, models: dict, backward: bool, device: torch.device,
-         bandwidth: Optional[tuple[float, str]] = None) -> Opportunities:
-    """The opportunities of one step of ``mode`` over ``models`` (prefix -> model), every
-    module of which is labelled for it (see the module doc)."""
-    labelled = dataclasses.replace(mode, labels=lambda: every_module(models))
-    with mode.context():
-        labels = every_module(models)
-    detail = measurement.profiled_step(labelled, backward, device, detail=True)
-    timed = measurement.with_details(measurement.profiled_step(labelled, backward, device, detail=False), detail)
-    trace = timed.trace
-    gbs, source = bandwidth or devices.fusion_bandwidth(device)
-    result = Opportunities(mode.name, bandwidth_gbs=gbs, bandwidth_source=source,
-                           formulas={"fused bytes": FUSED_BYTES_FORMULA, "gain": GAIN_FORMULA})
+def _step_rows(mode_name: str, trace, wall_ms: float, labels: dict, answers: dict,
+               gbs: float) -> tuple[OrderedDict, Accounting]:
+    """One profiled step's rows (by key) and accounting."""
+    accounting = Accounting()
     cost = trace.event_cost_us
-    result.accounting.step_ms = max(timed.wall_ms - cost * trace.recorded_events / 1e3, 0.0)
-    result.launch_us = launch_us(trace.timeline, cost)
+    accounting.step_ms = max(wall_ms - cost * trace.recorded_events / 1e3, 0.0)
     grouped: OrderedDict = OrderedDict()
-    answers: dict = {}
-    for chain in _chains(trace.timeline, result.accounting, cost):
+    for chain in _chains(trace.timeline, accounting, cost):
         path = chain[0].path
         module = labels.get(path)
         key = (pattern_of(path), type(module).__name__ if module is not None else "", chain[0].phase,
                tuple(event.name for event in chain))
         row = grouped.get(key)
         if row is None:
-            row = grouped[key] = Opportunity(mode.name, key[0], key[1], key[2], list(key[3]), bytes_unfused=0,
+            row = grouped[key] = Opportunity(mode_name, key[0], key[1], key[2], list(key[3]), bytes_unfused=0,
                                              bytes_fused=0, bandwidth_gbs=gbs,
                                              fused_by=_covering_rule(path, labels, answers))
         row.instances += 1
@@ -292,23 +335,53 @@ def find(mode: Mode, models: dict, backward: bool, device: torch.device,
         row.bytes_fused += fused_bytes(chain)
         if path not in row.paths:
             row.paths.append(path)
-    for row in grouped.values():
+    return grouped, accounting
+
+
+def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: int = STEPS,
+         bandwidth: Optional[tuple[float, str]] = None) -> Opportunities:
+    """The opportunities of ``mode`` over ``models`` (prefix -> model), every module of
+    which is labelled for it (see the module doc): one step recorded in detail, then
+    ``steps`` recording times, each row's times (and the accounting's, and each module's)
+    the median over them."""
+    labelled = dataclasses.replace(mode, labels=lambda: every_module(models))
+    with mode.context():
+        labels = every_module(models)
+    detail = measurement.profiled_step(labelled, backward, device, detail=True)
+    timed = [measurement.with_details(measurement.profiled_step(labelled, backward, device, detail=False), detail)
+             for _ in range(steps)]
+    gbs, source = bandwidth or devices.fusion_bandwidth(device)
+    result = Opportunities(mode.name, bandwidth_gbs=gbs, bandwidth_source=source,
+                           formulas={"fused bytes": FUSED_BYTES_FORMULA, "gain": GAIN_FORMULA})
+    result.launch_us = statistics.median(launch_us(run.trace.timeline, run.trace.event_cost_us) for run in timed)
+    answers: dict = {}
+    per_step = [_step_rows(mode.name, run.trace, run.wall_ms, labels, answers, gbs) for run in timed]
+    grouped = per_step[0][0]
+    for key, row in grouped.items():
+        found = [rows[key] for rows, _ in per_step if key in rows]
+        row.time_ms = statistics.median(r.time_ms for r in found)
         row.fused_ms = row.bytes_fused / (gbs * 1e9) * 1e3 + row.instances * result.launch_us / 1e3
+    result.accounting = Accounting(**{name.name: statistics.median(getattr(a, name.name) for _, a in per_step)
+                                      for name in dataclasses.fields(Accounting)})
     result.rows = ranked(list(grouped.values()))
+    result.module_ms = {key: [statistics.median(run.trace.regions[key].forward_ms for run in timed
+                                                if key in run.trace.regions),
+                              statistics.median(run.trace.regions[key].backward_ms for run in timed
+                                                if key in run.trace.regions)]
+                        for key in timed[0].trace.regions}
     return result
 
 
-
-
 def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Optional[str] = None, warmup: int = 1,
-                  device=None) -> Opportunities:
+                  steps: int = STEPS, device=None) -> Opportunities:
     """Where ``model``'s step on ``sample`` (a tensor, a tuple of positional arguments or a
     dict of keyword arguments) runs unfused chains of memory-bound ops, ranked by the gain
     a fused kernel would estimate (see the module doc). ``mode``: ``"fused"`` (the default
     for a fused model: what fusion left), or ``"eager"`` (the default otherwise; a fused
     model then runs inside ``te_lab.unfused``). ``backward``: the step includes the
     gradients of its loss (the output's ``loss``, else the sum of its tensors), as
-    :func:`te_lab.profile`'s does. ``warmup`` steps run first, unrecorded."""
+    :func:`te_lab.profile`'s does. ``warmup`` steps run first, unrecorded; the figures are
+    medians over ``steps`` profiled steps."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.opportunities: model must be a torch.nn.Module, got {type(model).__name__}")
     if sample is None:
@@ -317,6 +390,8 @@ def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Opti
     if mode not in (None, "eager", "fused"):
         raise ValueError(f"te_lab.opportunities: mode must be 'eager', 'fused' or None, got {mode!r}")
     check_warmup(warmup, "te_lab.opportunities")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"te_lab.opportunities: steps must be a positive int, got {steps!r}")
     unwrapped = distributed.unwrap(model)
     name = mode or ("fused" if is_fused(unwrapped) else "eager")
     step = model_mode(unwrapped, sample, name)
@@ -330,4 +405,4 @@ def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Opti
         with step.context():
             for _ in range(warmup):
                 measurement.timed_step(step, backward, dev)
-        return find(step, {"": unwrapped}, backward, dev)
+        return find(step, {"": unwrapped}, backward, dev, steps)

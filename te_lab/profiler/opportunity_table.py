@@ -12,9 +12,11 @@ in one phase. Its figures add up over the instances:
 - ``bytes_unfused``: every op's inputs read and output written, by the cost model;
 - ``bytes_fused``: what one kernel per instance would move, the chain's external inputs
   and its last output (:data:`FUSED_BYTES_FORMULA`);
-- ``fused_ms``: that kernel's estimated time, ``bytes_fused`` at the bandwidth plus one
-  launch per instance (:data:`GAIN_FORMULA`); ``estimated_gain_ms`` = ``time_ms - fused_ms``
-  (never below 0);
+- ``fused_ms``: that kernel's time if it ran at the bandwidth, ``bytes_fused`` at the
+  bandwidth plus one launch per instance (:data:`GAIN_FORMULA`), so
+  ``estimated_gain_ms`` = ``time_ms - fused_ms`` (never below 0) is an upper bound: a
+  fused kernel still does the chain's math (``tanh``, ``exp``, division), which on a CPU
+  can cost more than its bytes;
 - ``fused_by``: the te_lab rule that would fuse it and why it did not apply, or "";
 - ``realized_gain_ms``: after :func:`te_lab.fuse` ``(regions=...)`` compiled the module,
   what the region saved in a re-measurement (None until then).
@@ -30,8 +32,9 @@ FUSED_BYTES_FORMULA = (
     "bytes one fused kernel per instance would move: the chain's first op's inputs, the inputs of its later ops "
     "that no earlier op of the chain produced (weights, masks, other operands: a same-shaped tensor is taken for "
     "the running value), and its last op's output; the intermediates stay in registers")
-GAIN_FORMULA = ("estimated gain = measured time - (fused bytes / bandwidth + one launch per instance), at least 0; "
-                "the launch cost is the median time of the step's ops that move at most 4 KiB")
+GAIN_FORMULA = ("estimated gain = measured time - (fused bytes / bandwidth + one launch per instance), at least 0 "
+                "(an upper bound: the fused kernel's math is not costed); the launch cost is the median time of the "
+                "step's ops that move at most 4 KiB")
 
 
 @dataclass

@@ -45,6 +45,7 @@ from .probe import (
     sample_shape,
     trainable_parameters,
 )
+from .region_rule import region_rule, resolve_regions
 from .rules import BuildOptions, FusionRule, Match, ProbeInputs, Skip, rules
 from .selection import Candidate, Selection, already_fused, find_candidates
 from .swaps import Swap, record_swaps, sites_of
@@ -119,10 +120,14 @@ class _Fuser:
         return reports.FusionRow(candidate.path, type(candidate.module).__name__, first_rule.name, first_rule.kind,
                                  reports.SKIPPED, reason=_first_miss(reasons))
 
-    def _inputs(self, candidate: Candidate, match: Match) -> tuple[ProbeInputs, str]:
+    def _inputs(self, candidate: Candidate, match: Match) -> tuple[Optional[ProbeInputs], str]:
+        """The probe's inputs and where they come from; ``None`` for a module that did not
+        run on the sample and whose rule synthesizes none (a compiled region)."""
         captured = self.captured.get(candidate.path)
         if captured is not None:
             return (match.complete_inputs(captured) if match.complete_inputs else captured), "sample"
+        if match.example_inputs is None:
+            return None, "none"
         return self._synthesized(match), "synthesized"
 
     def _probed_part(self, inputs: ProbeInputs, match: Match) -> ProbeInputs:
@@ -144,6 +149,10 @@ class _Fuser:
                            f"given, so pass its parent")
             return None
         inputs, source = (None, "none (verify=False)") if not self.verify else self._inputs(candidate, match)
+        if self.verify and inputs is None:
+            reasons.append(f"did not run on the sample, and {rule.name} is probed on the sample's inputs only "
+                           f"(pass a sample that calls it)")
+            return None
         projections_note = ""
         for variant in match.variants:
             try:
@@ -169,7 +178,7 @@ class _Fuser:
             result, probed, fallback = None, inputs, ""
             if self.verify:
                 result = self._probe(module, original, twin, inputs, match)
-                if result.inconclusive and source == "sample":
+                if result.inconclusive and source == "sample" and match.example_inputs is not None:
                     fallback, probed = result.inconclusive, self._synthesized(match)
                     result = self._probe(module, original, twin, probed, match)
                 result, projections_note = self._with_accurate_projections(module, original, twin, probed, match,
@@ -193,7 +202,7 @@ class _Fuser:
                 row.original_output_max_abs = result.original_output_max_abs
                 row.original_grad_max_abs = result.original_grad_max_abs
                 row.truth = result.truth
-            if self.auto:
+            if self.auto or (match.timed and self.verify):
                 with quiet_state(_modules_of(module, twin), self.device), hooks.silenced(module), \
                         stepping_aside.running_fused():
                     row.time_original_ms, row.time_fused_ms = median_times_ms(
@@ -358,7 +367,7 @@ def _modules_of(module: nn.Module, twin: Any) -> list[nn.Module]:
 
 def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backend: str = "auto",
          verify: bool = True, keep: str = "faster", auto: bool = False, dry_run: bool = False,
-         progress: Optional[bool] = None) -> reports.FusionReport:
+         progress: Optional[bool] = None, regions=None, region_options: Optional[dict] = None) -> reports.FusionReport:
     """Swap ``model``'s layers for fused twins, in place, and report what was done.
 
     - ``sample``: inputs for ``model`` (a tensor, a tuple of positional arguments or a
@@ -380,6 +389,12 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
     - ``dry_run=True`` finds, builds and probes (and with ``auto``, times) every candidate
       but swaps nothing: rows that would be fused say ``would-fuse``.
     - ``progress``: show a progress bar (default: where a terminal or notebook shows one).
+    - ``regions``: modules no rule knows, to fuse by compiling each alone with
+      ``torch.compile`` (:mod:`.region_rule`): module paths or globs, module classes or
+      class names, or rows of :func:`te_lab.opportunities` (or its whole result), one or a
+      list. Each is probed on the sample's inputs (so ``sample`` is required) like every
+      twin and kept only where it measures faster; ``region_options``: keyword arguments
+      for ``torch.compile`` (``mode``, ``options``, ``backend``, ``dynamic``).
 
     A ``DistributedDataParallel`` wrapper has its wrapped module fused; a model already
     sharded by FSDP2's ``fully_shard`` (DTensor parameters) is refused: fuse, then shard.
@@ -403,9 +418,10 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
                            "call fuse outside it (or pass verify=False)")
     all_modules = dict(model.named_modules())
     selection = Selection(only, exclude, list(all_modules), [r.name for r in rules()])
+    first_rules = _region_rules(model, regions, region_options, sample, verify)
     _, device = tensor_like(model)
     already = already_fused(model)
-    candidates = find_candidates(model, selection)
+    candidates = find_candidates(model, selection, first_rules)
     captured, before = {}, None
     sample_inputs = None if sample is None else as_call_inputs(sample, "te_lab.fuse", "sample")
     show_progress = progress if progress is not None else (None if auto or len(candidates) > 8 else False)
@@ -461,6 +477,28 @@ def fuse(model: nn.Module, *, sample: Any = None, only=None, exclude=None, backe
         report.notes.append("lm_head_loss: called with labels, the model returns the loss and logits=None "
                             "(the full logits are never materialized); without labels it returns logits as before")
     return report
+
+
+COMPILE_OPTIONS = ("mode", "options", "backend", "dynamic")
+
+
+def _region_rules(model: nn.Module, regions, region_options: Optional[dict], sample, verify: bool) -> tuple:
+    """The call's compiled-region rule, checked (none without ``regions``)."""
+    if region_options is not None and regions is None:
+        raise ValueError("te_lab.fuse: region_options is given without regions")
+    if regions is None:
+        return ()
+    if region_options is not None:
+        if not isinstance(region_options, dict):
+            raise TypeError(f"te_lab.fuse: region_options must be a dict of torch.compile keyword arguments, got "
+                            f"{type(region_options).__name__}")
+        unknown = sorted(set(region_options) - set(COMPILE_OPTIONS))
+        if unknown:
+            raise ValueError(f"te_lab.fuse: region_options: unknown key(s) {', '.join(map(repr, unknown))}; expected "
+                             f"some of {', '.join(COMPILE_OPTIONS)} (fullgraph is always True)")
+    if verify and sample is None:
+        raise ValueError("te_lab.fuse: regions are probed on the sample's inputs and timed on them; pass sample=")
+    return (region_rule(model, resolve_regions(model, regions), region_options),)
 
 
 def _annotate(error: BaseException, message: str) -> None:

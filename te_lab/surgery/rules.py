@@ -61,14 +61,19 @@ class Match:
     - ``probe_outputs``: the tensors of an output to compare (default: every tensor).
     - ``replaces_forward``: the twin is installed as ``module.forward`` instead of
       replacing the module in its parent.
+    - ``example_inputs=None``: the module is probed on the sample's inputs only (a
+      compiled region, whose inputs no rule can synthesize).
+    - ``timed``: the twin is kept only where it measures faster than the original, as
+      with ``fuse(auto=True)`` (a compiled region).
     """
 
     variants: Sequence[Variant]
-    example_inputs: Callable[[], ProbeInputs]
+    example_inputs: Optional[Callable[[], ProbeInputs]]
     complete_inputs: Optional[Callable[[ProbeInputs], ProbeInputs]] = None
     probe_outputs: Optional[Callable[[Any], list[Tensor]]] = None
     constant_inputs: frozenset = CONSTANT_INPUTS
     replaces_forward: bool = False
+    timed: bool = False
 
 
 @dataclass(frozen=True)

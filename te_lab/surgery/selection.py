@@ -94,9 +94,10 @@ def already_fused(model: nn.Module) -> list[str]:
             if isinstance(module, FusedModule) or installed_lm_head_loss(module) is not None]
 
 
-def find_candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
+def find_candidates(model: nn.Module, selection: Selection, first_rules: tuple = ()) -> list[Candidate]:
     """Every module of ``model`` (top-down, twins and what is inside them left out) that
-    some rule ``selection`` allows answered with a Match or a Skip."""
+    some rule ``selection`` allows answered with a Match or a Skip; ``first_rules`` (a
+    call's compiled regions) are asked first, whatever ``selection`` says."""
     found = []
     fused_prefixes: list[str] = []
     for path, module in model.named_modules():
@@ -107,8 +108,8 @@ def find_candidates(model: nn.Module, selection: Selection) -> list[Candidate]:
             continue
         forward_fused = installed_lm_head_loss(module) is not None
         results = []
-        for rule in rules():
-            if not selection.allows(rule, path):
+        for rule in (*first_rules, *rules()):
+            if rule not in first_rules and not selection.allows(rule, path):
                 continue
             result = _match(rule, module)
             if isinstance(result, Match) and result.replaces_forward and forward_fused:
