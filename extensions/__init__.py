@@ -3,7 +3,7 @@ registers the magics, ``%unload_ext te_lab`` removes them."""
 
 from __future__ import annotations
 
-MAGIC_NAMES = {"line": ("te_fuse", "te_unfuse", "te_profile", "te_status"), "cell": ("te_profile",)}
+MAGIC_NAMES = {"line": ("te_fuse", "te_unfuse", "te_profile", "te_opportunities", "te_status"), "cell": ("te_profile",)}
 
 
 def load_ipython_extension(shell) -> None:

@@ -1,4 +1,4 @@
-"""te_lab's magics: %te_fuse, %te_unfuse, %te_profile / %%te_profile, %te_status.
+"""te_lab's magics: %te_fuse, %te_unfuse, %te_profile / %%te_profile, %te_opportunities, %te_status.
 
 They parse arguments, call te_lab's public API and display the result; nothing else.
 A user's mistake (an unknown name, an expression that fails, a non-Module, a bad
@@ -20,6 +20,7 @@ from torch import nn
 
 from te_lab.options import BACKEND_CHOICES, KEEP_CHOICES, argument_type, check_budget, check_steps, check_warmup
 from te_lab.profiler import ProfileRun, profile_generation
+from te_lab.profiler.opportunities import opportunities
 from te_lab.status import status_lines
 from te_lab.surgery import fuse, fusions, is_fused, unfuse
 from te_lab.views import show, to_html
@@ -66,6 +67,10 @@ class TeLabMagics(Magics):
     @argument("--keep", default="faster", choices=KEEP_CHOICES,
               help="faster (default): twins step aside at sizes where the original measures faster; all: every "
                    "verified twin runs fused")
+    @argument("--regions", help="comma-separated module paths, globs or class names no rule knows, to compile alone "
+                                "(torch.compile), verify and keep where faster (needs --sample)")
+    @argument("--regions-of", metavar="EXPR",
+              help="an expression giving the regions: rows of te_lab.opportunities, or its whole result")
     @argument("--auto", action="store_true", help="time each twin and keep only those faster on this device")
     @argument("--dry-run", action="store_true", help="probe the candidates but swap nothing")
     @argument("-o", dest="output", action="store_true",
@@ -84,10 +89,14 @@ class TeLabMagics(Magics):
         args = parse_argstring(self.te_fuse, line)
         model = self._model(args.model, "%te_fuse")
         sample = None if args.sample is None else self._evaluate(args.sample, "%te_fuse: --sample")
+        if args.regions is not None and args.regions_of is not None:
+            raise UsageError("%te_fuse: give --regions or --regions-of, not both")
+        regions = _names(args.regions) if args.regions_of is None else \
+            self._evaluate(args.regions_of, "%te_fuse: --regions-of")
         try:
             report = fuse(model, sample=sample, only=_names(args.only), exclude=_names(args.exclude),
-                                 backend=args.backend, verify=not args.no_verify, keep=args.keep, auto=args.auto,
-                                 dry_run=args.dry_run)
+                          backend=args.backend, verify=not args.no_verify, keep=args.keep, auto=args.auto,
+                          dry_run=args.dry_run, regions=regions)
         except (TypeError, ValueError, RuntimeError) as error:
             raise UsageError(f"%te_fuse: {error}") from None
         if not args.quiet:
@@ -215,11 +224,53 @@ class TeLabMagics(Magics):
         finally:
             steps = args.steps if report is None else len(report.modes["eager"].step_ms)
             print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {steps} timed steps, "
-                  f"then profiled steps (and on the CPU as many clocked ones), in each of eager and fused mode)")
+                  f"then profiled steps (and on the CPU as many clocked ones), in each of eager and fused mode, and "
+                  f"the opportunity finder's steps)")
         if args.html:
             print(f"static report written to {to_html(report, args.html)}")
         show(report, rerun=profile_run)
         return report
+
+    @magic_arguments()
+    @argument("model", help="the model, an expression in your namespace")
+    @argument("--sample", required=True, help="inputs for the model, an expression: a tensor, a tuple, or a dict")
+    @argument("--mode", choices=("eager", "fused"),
+              help="fused (default for a fused model: what fusion left) or eager (default otherwise)")
+    @argument("--top", type=int, default=10, help="rows shown (default 10)")
+    @argument("--no-backward", action="store_true", help="look at the forward only")
+    @argument("--against", metavar="EXPR",
+              help="an earlier result on this model: its rows' modules are clocked too, and its rows are shown "
+                   "with the gains realized since")
+    @argument("-o", dest="output", action="store_true",
+              help="return the result (found = %%te_opportunities model --sample batch -o)")
+    @argument("-q", dest="quiet", action="store_true", help="display nothing")
+    @no_var_expand
+    @line_magic
+    def te_opportunities(self, line):
+        """Rank MODEL's unfused chains of memory-bound ops by the gain a fused kernel would
+        estimate, per module and op pattern, with what te_lab rule would fuse each.
+
+        Example::
+
+            found = %te_opportunities model --sample batch -o
+            %te_fuse model --sample batch --regions-of found.top(2)
+            %te_opportunities model --sample batch --against found
+        """
+        args = parse_argstring(self.te_opportunities, line)
+        model = self._model(args.model, "%te_opportunities")
+        sample = self._evaluate(args.sample, "%te_opportunities: --sample")
+        against = None if args.against is None else self._evaluate(args.against, "%te_opportunities: --against")
+        if args.top < 1:
+            raise UsageError(f"%te_opportunities: --top must be a positive integer, got {args.top}")
+        try:
+            found = opportunities(model, sample, backward=not args.no_backward, mode=args.mode, against=against)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise UsageError(f"%te_opportunities: {error}") from None
+        if not args.quiet:
+            print(found.summary(args.top))
+            if against is not None:
+                print(against.realized(found).summary(args.top))
+        return found if args.output else None
 
     @line_magic
     def te_status(self, line):

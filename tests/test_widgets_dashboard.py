@@ -170,7 +170,7 @@ def test_static_export_is_one_self_contained_file(report, tmp_path):
     text = path.read_text(encoding="utf-8")
     assert len(text) > 1_000_000  # plotly.js inlined
     assert "<script src=" not in text.replace('<script src="data:', "")  # nothing fetched from a network
-    assert text.count('class="plotly-graph-div"') == 5
+    assert text.count('class="plotly-graph-div"') == 5 + 2  # and the Opportunities chart of each mode
     assert "speedup" in text and "process CPU time / wall time" in text
     with pytest.raises(ValueError, match="must end in .html"):
         te_lab.to_html(report, tmp_path / "report.txt")

@@ -87,6 +87,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, model: str | None, bat
                         help="write the static dashboard here" + (f" (default {html})" if html else ""))
     parser.add_argument("--json", type=file_with_suffix(".json"), default=None,
                         help="write the ProfileReport here as JSON (te_lab.ProfileReport.from_json reads it)")
+    parser.add_argument("--opportunities", type=positive_int, nargs="?", const=10, default=None, metavar="N",
+                        help="print the fusion-opportunity finder's top N rows per mode (default 10): what fusion "
+                             "left, and the eager step's chains with the gains fusing realized")
     parser.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                         help="write each mode's raw profiler traces here (<mode>.step<N>.pt.trace.json.gz; "
                              "te_lab.open_trace, TensorBoard or Perfetto read them)")

@@ -65,6 +65,8 @@ def fuse_and_profile(args: argparse.Namespace) -> int:
     report = te_lab.profile(model, batch, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
                             progress=_progress_bar("te_lab.profile"), trace_dir=args.trace_dir)
     print(report.summary(), flush=True)
+    if args.opportunities is not None:
+        print("\n".join(report.opportunity_lines(args.opportunities)), flush=True)
 
     _stage(4, "writing the reports")
     if args.html is not None:

@@ -44,6 +44,7 @@ from te_lab.surgery import is_fused
 from . import assembly, compiles, intervals, measurement, trace_files
 from .expert_load import LoadRecorder
 from .modes import statement_modes, target_modes
+from .opportunities import find as find_opportunities
 from .report import (
     Environment,
     ProfileReport,
@@ -61,12 +62,14 @@ AUTO_TARGET = 0.03
 MIN_AUTO_PAIRS = 5
 MAX_AUTO_PAIRS = 200
 DEFAULT_BUDGET_S = 60.0
+# Profiled steps per mode the opportunity finder's rows take their medians over, beyond its detail step.
+OPPORTUNITY_STEPS = 2
 
 
 
 def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int = 2, backward: bool = True,
             device=None, progress: Optional[Callable[[int, int], None]] = None, trace_dir=None,
-            budget_s: float = DEFAULT_BUDGET_S) -> ProfileReport:
+            budget_s: float = DEFAULT_BUDGET_S, opportunities: bool = True) -> ProfileReport:
     """Profile ``target`` eager and fused (see the module doc) and return a ProfileReport.
 
     ``steps``: timed (unprofiled) steps per mode, run in interleaved eager / fused pairs;
@@ -76,6 +79,11 @@ def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int
 
     ``trace_dir``: a directory that receives every profiled step's raw trace
     (:mod:`te_lab.profiler.trace_files`), for :func:`te_lab.open_trace` elsewhere.
+
+    ``opportunities``: after the measurement, the fusion-opportunity finder
+    (:mod:`te_lab.profiler.opportunities`) looks at :data:`OPPORTUNITY_STEPS` more profiled
+    steps of each mode, every module labelled, for ``report.opportunities``: the eager
+    step's unfused chains with the gains the fused step realized, and what fusion left.
 
     ``progress(done, total)`` is called after every step (for progress bars). To measure
     again with the same arguments (the dashboard's Re-run), keep a
@@ -89,22 +97,23 @@ def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int
                          "profile the forward only")
     dev = devices.resolve(device) if device is not None else _device_of(target, inputs)
     with trace_files.writing_to(trace_dir):
+        models = {"": distributed.unwrap(target)} if isinstance(target, nn.Module) else {}
         report = _measure(modes, key_info, assembly.environment(dev, target, inputs, description), dev, steps,
-                          warmup, backward, progress, budget_s, LoadRecorder(
-                              {"": distributed.unwrap(target)} if isinstance(target, nn.Module) else {}))
+                          warmup, backward, progress, budget_s, LoadRecorder(models),
+                          models if opportunities else {})
     return report
 
 
 def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int, str] = "auto", warmup: int = 2,
                       backward: bool = True, device=None,
                       progress: Optional[Callable[[int, int], None]] = None, trace_dir=None,
-                      budget_s: float = DEFAULT_BUDGET_S) -> ProfileReport:
+                      budget_s: float = DEFAULT_BUDGET_S, opportunities: bool = True) -> ProfileReport:
     """Profile code that uses fused models (what ``%te_profile`` runs): "eager" runs
     ``run()`` with every model in ``models`` (name -> fused model) inside
     ``te_lab.unfused``, "fused" as they are. Module keys are the models' module paths,
     prefixed by the model's name when there are several. With ``backward``, the value
-    ``run()`` returns is differentiated as in :func:`profile`; ``steps``, ``budget_s`` and
-    ``trace_dir`` as there."""
+    ``run()`` returns is differentiated as in :func:`profile`; ``steps``, ``budget_s``,
+    ``trace_dir`` and ``opportunities`` as there."""
     _check_counts(steps, warmup, budget_s, "te_lab.profile_statement")
     if not models:
         raise ValueError("te_lab.profile_statement: models is empty; fuse a model first (te_lab.fuse)")
@@ -119,10 +128,11 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
     dev = devices.resolve(device) if device is not None else _device_of(first, None)
     versions = [(p, p._version) for model in models.values() for p in model.parameters()]
     several = len(models) > 1
-    recorder = LoadRecorder({f"{name}." if several else "": distributed.unwrap(m) for name, m in models.items()})
+    prefixed = {f"{name}." if several else "": distributed.unwrap(m) for name, m in models.items()}
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, assembly.environment(dev, first, None, ", ".join(models)), dev, steps,
-                          warmup, backward, progress, budget_s, recorder)
+                          warmup, backward, progress, budget_s, LoadRecorder(prefixed),
+                          prefixed if opportunities else {})
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
         runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup, clocked=not devices.is_gpu(dev))
@@ -149,7 +159,9 @@ def runs_per_mode(steps: int, warmup: int, clocked: bool) -> int:
 
 
 def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.device, steps, warmup: int,
-             backward: bool, progress, budget_s: float, expert_load: LoadRecorder) -> ProfileReport:
+             backward: bool, progress, budget_s: float, expert_load: LoadRecorder,
+             finder_models: dict) -> ProfileReport:
+    """``finder_models``: prefix -> model, for the opportunity finder (none: no finder)."""
     report = ProfileReport(environment, formulas=dict(assembly.FORMULAS))
     samples = {mode.name: [] for mode in modes}
     compile_counters = {mode.name: compiles.CompileCounter() for mode in modes}
@@ -237,6 +249,11 @@ def _measure(modes: list, key_info: dict, environment: Environment, dev: torch.d
         per_round = assembly.per_round_totals(runs, step_medians)
         traces = {name: measurement.with_details(measurement.median_run(profiled), details[name])
                   for name, profiled in runs.items()}
+        if finder_models:
+            eager = find_opportunities(modes[0], finder_models, backward, dev, OPPORTUNITY_STEPS)
+            fused = find_opportunities(modes[1], finder_models, backward, dev, OPPORTUNITY_STEPS,
+                                       clock_keys=tuple(path for row in eager.rows for path in row.paths))
+            report.opportunities = {"eager": eager.realized(fused), "fused": fused}
     for mode in modes:
         report.modes[mode.name] = assembly.mode_summary(mode.name, samples[mode.name], traces[mode.name], backward, dev)
         report.modes[mode.name].compiles = compile_counters[mode.name].count

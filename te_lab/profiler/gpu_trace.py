@@ -19,6 +19,12 @@ kernels and their figures (:func:`~te_lab.profiler.device_kernels.device_figures
 A kernel's phase and module path in the timeline come from the host intervals around the
 call that queued it: autograd's ``evaluate_function`` (backward), ``Optimizer.step``
 (optimizer), te_lab's module regions (forward, with the module's path), else forward.
+
+The host calls' tree and the device work each launched (``launches``,
+:mod:`~te_lab.profiler.kernel_sequences`) give the frequent kernel sequences of an
+operator (:func:`~te_lab.profiler.kernel_sequences.frequent_kernel_sequences`, HTA's
+definition) and the fusion opportunities: chains of memory-bound kernels per stream,
+ranked (``opportunities``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Optional
 
 from .attribution import BACKWARD_PREFIX, HostOp, LaunchIndex
 from .device_kernels import DeviceKernel, device_figures, device_kernels
+from .kernel_sequences import KernelLaunches, kernel_launches, trace_opportunities
 from .kineto import HOST_OP_KINDS, Activity, file_activities, has_fractional_timestamps
+from .opportunity_table import table_lines
 from .regions import OPTIMIZER_PREFIX, PREFIX, TORCH_OPTIMIZER_STEP_PREFIX
 from .report import Figure, TimelineEvent
 from .temporal_breakdown import breakdown_figures, temporal_breakdown
@@ -65,7 +73,8 @@ class KernelRow:
 @dataclass
 class GpuTrace:
     """A trace file's GPU views: ``kernels``, ``figures``, ``steps``, ``timeline``,
-    :meth:`kernel_table`; :meth:`show` draws them, :meth:`to_html` writes them."""
+    :meth:`kernel_table`, ``opportunities``; :meth:`show` draws them, :meth:`to_html`
+    writes them."""
 
     path: str
     device_name: str
@@ -75,6 +84,8 @@ class GpuTrace:
     figures: list = field(default_factory=list)  # Figure: mode "trace", then one set per step
     timeline: list = field(default_factory=list)  # TimelineEvent, mode "trace", lane "stream N"
     notes: list = field(default_factory=list)
+    opportunities: list = field(default_factory=list)  # Opportunity (mode "trace"), ranked
+    launches: Optional[KernelLaunches] = field(default=None, repr=False)  # host calls and what each launched
 
     def kernel_table(self) -> list[KernelRow]:
         """Device time, count and share per kernel name, largest time first."""
@@ -97,7 +108,7 @@ class GpuTrace:
         known = sorted({f.mode for f in self.figures})
         raise KeyError(f"GpuTrace.figure: no figure {name!r} for mode {mode!r} (modes: {', '.join(known)})")
 
-    def summary(self, kernels: int = 10) -> str:
+    def summary(self, kernels: int = 10, opportunities: int = 5) -> str:
         lines = [f"{self.path}: {self.device_name}, {len(self.kernels)} device activities on "
                  f"{len({k.stream for k in self.kernels})} stream(s), {len(self.steps)} ProfilerStep(s)"]
         for figure in self.figures:
@@ -106,6 +117,10 @@ class GpuTrace:
         lines.append(f"  top kernels (of {len(self.kernel_table())}): time us, count, share")
         for row in self.kernel_table()[:kernels]:
             lines.append(f"    {row.total_us:12.1f} {row.count:6d} {100 * row.share:6.2f}%  {row.name[:100]}")
+        if self.kernels:
+            lines.append(f"  fusion opportunities: {len(self.opportunities)} pattern(s) of chained memory-bound "
+                         "kernels")
+            lines += ["  " + line for line in table_lines(self.opportunities, opportunities)]
         lines += self.notes
         return "\n".join(lines)
 
@@ -153,6 +168,8 @@ def open_trace(path, *, multiprocessors: Optional[int] = None) -> GpuTrace:
     trace.figures = trace_figures(kernels, trace.steps, multiprocessors)
     trace.figures += breakdown_figures(temporal_breakdown(activities, has_fractional_timestamps(document)))
     trace.timeline = _timeline(kernels, activities)
+    trace.launches = kernel_launches(activities)
+    trace.opportunities = trace_opportunities(trace)
     return trace
 
 

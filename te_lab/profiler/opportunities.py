@@ -34,7 +34,6 @@ import dataclasses
 import re
 import statistics
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -42,6 +41,7 @@ from torch import nn
 
 from te_lab import device as devices, distributed
 from te_lab.modules import FusedModule
+from te_lab.modules.lm_head_loss import installed_lm_head_loss
 from te_lab.options import check_warmup
 from te_lab.surgery import is_fused
 from te_lab.surgery.rules import Match, Skip, rules
@@ -50,146 +50,39 @@ from . import measurement
 from .attribution import VIEW_OPS
 from .ceiling import is_compute
 from .modes import Mode, model_mode
-from .opportunity_table import FUSED_BYTES_FORMULA, GAIN_FORMULA, Opportunity, ranked, table_lines
+from .module_clock import ModuleClock
+from .opportunity_table import (
+    FUSED_BYTES_FORMULA,
+    GAIN_FORMULA,
+    ROOT_KEY,
+    Accounting,
+    Opportunities,
+    Opportunity,
+    ranked,
+)
 
 MIN_CHAIN_OPS = 2
 # Profiled steps recording times, whose medians the rows take.
 STEPS = 3
 # Ops that move at most this many bytes time the launch a fused kernel still pays.
 LAUNCH_BYTES = 4096
-ROOT_KEY = "(model)"
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
-
-
-@dataclass
-class Accounting:
-    """Where the finder's step spent its time outside compute ops (ms)."""
-
-    step_ms: float = 0.0  # the profiled step's wall time, the profiler's cost per op taken off
-    compute_ms: float = 0.0  # GEMMs and attention kernels' ops
-    chain_ops_ms: float = 0.0  # the chains' ops' own time (the rows' spans hold the Python between them too)
-    single_ops_ms: float = 0.0  # memory-bound ops with no memory-bound neighbour in their module
-    te_lab_ops_ms: float = 0.0
-    outside_modules_ms: float = 0.0  # memory-bound ops no module ran (the caller's loss, gradient accumulation)
-    views_ms: float = 0.0
-
-    @property
-    def non_compute_ms(self) -> float:
-        return max(self.step_ms - self.compute_ms, 0.0)
-
-    @property
-    def between_ops_ms(self) -> float:
-        """What the step spent outside every op counted above (Python, the autograd engine)."""
-        return max(self.non_compute_ms - self.chain_ops_ms - self.single_ops_ms - self.te_lab_ops_ms
-                   - self.outside_modules_ms - self.views_ms, 0.0)
-
-
-@dataclass
-class Opportunities:
-    """The finder's result for one mode of one model (see the module doc)."""
-
-    mode: str
-    rows: list = field(default_factory=list)  # Opportunity, ranked
-    accounting: Accounting = field(default_factory=Accounting)
-    bandwidth_gbs: float = 0.0
-    bandwidth_source: str = ""
-    launch_us: float = 0.0
-    formulas: dict = field(default_factory=dict)
-    # Module path -> [forward, backward] ms, its own time in the finder's step (wall time;
-    # the modules nested in it left out), from which realized gains are measured.
-    module_ms: dict = field(default_factory=dict)
-
-    def top(self, count: int = 10) -> list[Opportunity]:
-        return self.rows[:count]
-
-    @property
-    def estimated_gain_ms(self) -> float:
-        return sum(row.estimated_gain_ms or 0.0 for row in self.rows)
-
-    @property
-    def chains_ms(self) -> float:
-        return sum(row.time_ms for row in self.rows)
-
-    def summary(self, top: int = 10) -> str:
-        a = self.accounting
-        lines = [f"fusion opportunities ({self.mode} step {a.step_ms:.2f} ms, {a.compute_ms:.2f} ms of it GEMMs and "
-                 f"attention): {len(self.rows)} unfused chain pattern(s), {self.chains_ms:.2f} ms, estimated gain "
-                 f"{self.estimated_gain_ms:.2f} ms at {self.bandwidth_gbs:.0f} GB/s ({self.bandwidth_source}) and "
-                 f"{self.launch_us:.1f} us per launch",
-                 f"  outside compute: chains' ops {a.chain_ops_ms:.2f} ms, single ops {a.single_ops_ms:.2f}, "
-                 f"te_lab ops {a.te_lab_ops_ms:.2f}, outside modules {a.outside_modules_ms:.2f}, "
-                 f"views {a.views_ms:.2f}, between ops {a.between_ops_ms:.2f} (of {a.non_compute_ms:.2f} ms)"]
-        return "\n".join(lines + table_lines(self.rows, top))
-
-    def __str__(self) -> str:
-        return self.summary()
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def inclusive_ms(self, path: str, phase: str) -> float:
-        """The ``phase`` time of the module at ``path`` with everything nested in it (what a
-        compiled region replaces)."""
-        index = 1 if phase == "backward" else 0
-        return sum(times[index] for key, times in self.module_ms.items() if key == path or key.startswith(path + "."))
-
-    def realized(self, after: "Opportunities") -> "Opportunities":
-        """A copy of these rows with ``realized_gain_ms``: what each row's modules saved in
-        ``after`` (a later step of the same model, with regions or twins in place), the
-        modules' times with everything nested in them, before less after. A module's saving
-        in a phase is shared among its rows of that phase by their estimated gains; a row
-        whose realized gain is outside +-30% of its estimate says why in its note."""
-        copy = Opportunities.from_dict(self.to_dict())
-        by_modules: dict = {}
-        for row in copy.rows:
-            by_modules.setdefault((tuple(sorted(row.paths)), row.phase), []).append(row)
-        for (paths, phase), rows in by_modules.items():
-            before = sum(self.inclusive_ms(path, phase) for path in paths)
-            now = sum(after.inclusive_ms(path, phase) for path in paths)
-            estimated = sum(row.estimated_gain_ms or 0.0 for row in rows)
-            for row in rows:
-                share = (row.estimated_gain_ms or 0.0) / estimated if estimated > 0 else 1 / len(rows)
-                row.realized_gain_ms = (before - now) * share
-                row.note = _realized_note(row, before, now)
-        return copy
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Opportunities":
-        data = dict(data)
-        data["rows"] = [Opportunity.from_dict(row) for row in data["rows"]]
-        data["accounting"] = Accounting(**data["accounting"])
-        return cls(**data)
-
-
-REALIZED_SLACK = 0.3
-
-
-def _realized_note(row: Opportunity, before_ms: float, after_ms: float) -> str:
-    estimated = row.estimated_gain_ms or 0.0
-    realized = row.realized_gain_ms or 0.0
-    text = f"realized {realized:.3g} ms of the estimated {estimated:.3g} ms"
-    if estimated > 0 and abs(realized - estimated) <= REALIZED_SLACK * estimated:
-        return text + " (within 30%)"
-    if after_ms >= before_ms:
-        return text + (f": the module ran {after_ms:.3g} ms after against {before_ms:.3g} ms before, no faster "
-                       f"(not fused, or its fused code is no quicker here)")
-    bound = row.fused_ms or 0.0
-    if realized > estimated:
-        return text + (f": the modules saved more than the chain's time, {after_ms:.3g} ms after against "
-                       f"{before_ms:.3g} ms before: the region also removed other work of theirs (single ops, the "
-                       f"Python and autograd engine between ops, a slower eager kernel of the same math)")
-    return text + (f": the modules now take {after_ms:.3g} ms where the estimate's bound is {bound:.3g} ms for the "
-                   f"chain alone; the bound costs only the bytes at the copy bandwidth and one launch, while compiled "
-                   f"code also pays its math (exp, tanh, division), its own launches and the other ops the modules "
-                   f"hold")
 
 
 def every_module(models: dict) -> dict:
     """Key -> module for every module of ``models`` (prefix -> model; a prefix ends with
-    ``.`` where several models share a statement), the model itself as ``(model)``."""
+    ``.`` where several models share a statement), the model itself as ``(model)``. What
+    lies inside a fused twin is left out: the twin computes its children's math itself, and
+    a hook on a projection child would send it back to the module's own GEMM
+    (:func:`te_lab.modules.projection.routes_to_linear`), changing what is measured."""
     labels = {}
     for prefix, model in models.items():
+        twins: list[str] = []
         for path, module in model.named_modules():
+            if any(path.startswith(twin + ".") for twin in twins):
+                continue
+            if isinstance(module, FusedModule):
+                twins.append(path)
             labels[prefix + path if path else (prefix.rstrip(".") or ROOT_KEY)] = module
     return labels
 
@@ -203,8 +96,16 @@ def _memory_bound(name: str) -> bool:
     return name.startswith("aten::") and not is_compute(name) and name not in VIEW_OPS
 
 
+def _moves_nothing(event) -> bool:
+    """A view, or an op the cost model found to move no bytes (``.to()`` of a tensor
+    already in that dtype, ``detach_``)."""
+    return event.name in VIEW_OPS or (event.bytes_read == 0 and not event.bytes_written
+                                      and event.name.startswith("aten::") and not is_compute(event.name))
+
+
 def fused_bytes(chain: list) -> int:
-    """:data:`.opportunity_table.FUSED_BYTES_FORMULA` over the chain's timeline events."""
+    """:data:`.opportunity_table.FUSED_BYTES_FORMULA` over the chain's timeline events, at
+    most what its ops move unfused."""
     produced: set = set()
     total = 0
     for index, event in enumerate(chain):
@@ -213,7 +114,9 @@ def fused_bytes(chain: list) -> int:
                 total += size
         if event.input_shapes:
             produced.add(tuple(max(event.input_shapes, key=lambda shape: _numel(shape))))
-    return total + (chain[-1].bytes_written or 0)
+    unfused = sum((e.bytes_read or 0) + (e.bytes_written or 0) for e in chain)
+    # never more than the ops move unfused (a rule that counts an op's inputs in part: a top-k)
+    return min(total + (chain[-1].bytes_written or 0), unfused)
 
 
 def _numel(shape) -> int:
@@ -251,7 +154,7 @@ def _chains(timeline: list, accounting: Accounting, event_cost_us: float) -> lis
 
     for event in sorted(timeline, key=lambda e: (e.lane, e.start_us)):
         own_us = max(event.duration_us - event_cost_us, 0.0)
-        if event.name in VIEW_OPS:
+        if _moves_nothing(event):
             accounting.views_ms += own_us / 1e3
             continue
         if is_compute(event.name):
@@ -289,21 +192,29 @@ def _covering_rule(path: str, labels: dict, answers: dict) -> str:
             continue
         if isinstance(module, FusedModule):
             return f"inside te_lab's fused {type(module).__name__} at {around}: ops it leaves unfused"
-        answer = answers.get(id(module))
+        if installed_lm_head_loss(module) is not None and around == path:
+            return f"inside te_lab's fused LM head + loss forward of {around}: ops it leaves unfused"
+        key = (id(module), around == path)
+        answer = answers.get(key)
         if answer is None:
-            answer = answers[id(module)] = _rule_answer(module)
+            answer = answers[key] = _rule_answer(module, itself=around == path)
         if answer:
             where = "" if around == path else f" (at {around})"
             return answer + where
     return ""
 
 
-def _rule_answer(module: nn.Module) -> str:
+def _rule_answer(module: nn.Module, itself: bool) -> str:
+    """What the first rule that answers says of ``module``; for a module around the
+    chain's (``itself`` False), rules that fuse only a part of it (the LM head + loss,
+    which replaces the model's forward but covers its head alone) are passed over."""
     for rule in rules():
         try:
             result = rule.match(module)
         except Exception as error:  # noqa: BLE001 - a rule that cannot read this module does not cover it
             result = Skip(f"the rule raised {type(error).__name__}: {error}")
+        if isinstance(result, Match) and result.replaces_forward and not itself:
+            continue
         if isinstance(result, Skip):
             return f"rule {rule.name} did not apply: {result.reason}"
         if isinstance(result, Match):
@@ -338,12 +249,31 @@ def _step_rows(mode_name: str, trace, wall_ms: float, labels: dict, answers: dic
     return grouped, accounting
 
 
+def clocked_module_ms(mode: Mode, models: dict, keys: list, backward: bool, device: torch.device,
+                      steps: int) -> dict:
+    """Key -> [forward, backward] ms of each module at ``keys`` (of :func:`every_module`),
+    whole (what is nested in it included), timed by hooks in ``steps`` steps without the
+    profiler (:mod:`.module_clock`), medians: the profiler's cost per op, which differs from
+    eager ATen ops to te_lab's, stays out of the comparison of a module before and after."""
+    runs = []
+    for _ in range(steps):
+        with mode.context():
+            present = every_module(models)
+            with ModuleClock({key: present[key] for key in keys if key in present}) as clock:
+                measurement.timed_step(mode, backward, device)
+            runs.append(clock.take())
+    return {key: [statistics.median(run[key][phase] for run in runs) for phase in (0, 1)]
+            for key in keys if all(key in run for run in runs)}
+
+
 def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: int = STEPS,
-         bandwidth: Optional[tuple[float, str]] = None) -> Opportunities:
+         bandwidth: Optional[tuple[float, str]] = None, clock_keys: tuple = ()) -> Opportunities:
     """The opportunities of ``mode`` over ``models`` (prefix -> model), every module of
     which is labelled for it (see the module doc): one step recorded in detail, then
-    ``steps`` recording times, each row's times (and the accounting's, and each module's)
-    the median over them."""
+    ``steps`` recording times, each row's times (and the accounting's) the median over
+    them; then the modules of the rows, and those at ``clock_keys`` (an earlier result's,
+    to measure its realized gains against), are clocked in ``steps`` steps
+    (:func:`clocked_module_ms`)."""
     labelled = dataclasses.replace(mode, labels=lambda: every_module(models))
     with mode.context():
         labels = every_module(models)
@@ -355,7 +285,8 @@ def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: 
                            formulas={"fused bytes": FUSED_BYTES_FORMULA, "gain": GAIN_FORMULA})
     result.launch_us = statistics.median(launch_us(run.trace.timeline, run.trace.event_cost_us) for run in timed)
     answers: dict = {}
-    per_step = [_step_rows(mode.name, run.trace, run.wall_ms, labels, answers, gbs) for run in timed]
+    with mode.context():  # the rules' answers about the modules as the mode runs them
+        per_step = [_step_rows(mode.name, run.trace, run.wall_ms, labels, answers, gbs) for run in timed]
     grouped = per_step[0][0]
     for key, row in grouped.items():
         found = [rows[key] for rows, _ in per_step if key in rows]
@@ -364,16 +295,13 @@ def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: 
     result.accounting = Accounting(**{name.name: statistics.median(getattr(a, name.name) for _, a in per_step)
                                       for name in dataclasses.fields(Accounting)})
     result.rows = ranked(list(grouped.values()))
-    result.module_ms = {key: [statistics.median(run.trace.regions[key].forward_ms for run in timed
-                                                if key in run.trace.regions),
-                              statistics.median(run.trace.regions[key].backward_ms for run in timed
-                                                if key in run.trace.regions)]
-                        for key in timed[0].trace.regions}
+    keys = list(dict.fromkeys([*(path for row in result.rows for path in row.paths), *clock_keys]))
+    result.module_ms = clocked_module_ms(mode, models, keys, backward, device, steps)
     return result
 
 
 def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Optional[str] = None, warmup: int = 1,
-                  steps: int = STEPS, device=None) -> Opportunities:
+                  steps: int = STEPS, against: Optional[Opportunities] = None, device=None) -> Opportunities:
     """Where ``model``'s step on ``sample`` (a tensor, a tuple of positional arguments or a
     dict of keyword arguments) runs unfused chains of memory-bound ops, ranked by the gain
     a fused kernel would estimate (see the module doc). ``mode``: ``"fused"`` (the default
@@ -381,7 +309,9 @@ def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Opti
     model then runs inside ``te_lab.unfused``). ``backward``: the step includes the
     gradients of its loss (the output's ``loss``, else the sum of its tensors), as
     :func:`te_lab.profile`'s does. ``warmup`` steps run first, unrecorded; the figures are
-    medians over ``steps`` profiled steps."""
+    medians over ``steps`` profiled steps. ``against``: an earlier result on the same model
+    (before :func:`te_lab.fuse` ``(regions=...)``): its rows' modules are clocked too, so
+    ``against.realized(result)`` says what fusing them realized."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"te_lab.opportunities: model must be a torch.nn.Module, got {type(model).__name__}")
     if sample is None:
@@ -390,6 +320,9 @@ def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Opti
     if mode not in (None, "eager", "fused"):
         raise ValueError(f"te_lab.opportunities: mode must be 'eager', 'fused' or None, got {mode!r}")
     check_warmup(warmup, "te_lab.opportunities")
+    if against is not None and not isinstance(against, Opportunities):
+        raise TypeError(f"te_lab.opportunities: against must be an earlier te_lab.opportunities result, got "
+                        f"{type(against).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"te_lab.opportunities: steps must be a positive int, got {steps!r}")
     unwrapped = distributed.unwrap(model)
@@ -405,4 +338,5 @@ def opportunities(model: nn.Module, sample, *, backward: bool = True, mode: Opti
         with step.context():
             for _ in range(warmup):
                 measurement.timed_step(step, backward, dev)
-        return find(step, {"": unwrapped}, backward, dev, steps)
+        clock_keys = () if against is None else tuple(path for row in against.rows for path in row.paths)
+        return find(step, {"": unwrapped}, backward, dev, steps, clock_keys=clock_keys)

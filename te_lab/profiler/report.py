@@ -19,6 +19,7 @@ from typing import Optional
 
 from .expert_load import ExpertLoad
 from .intervals import holds_one
+from .opportunity_table import Opportunities, table_lines
 
 MODES = ("eager", "fused")
 OTHER_KEY = "(other)"  # the row of step time no module accounts for
@@ -311,6 +312,9 @@ class ProfileReport:
     # What fusion could buy at most here, and te_lab's share of it (te_lab.profiler.ceiling);
     # None where the report has no step times (a trace file)
     ceiling: Optional[FusionCeiling] = None
+    # Mode -> the fusion-opportunity finder's result (te_lab.profiler.opportunities): the eager
+    # step's rows with the gains the fused step realized, and what the fused step left
+    opportunities: Optional[dict] = None
 
     # ---- views ----------------------------------------------------------------------
 
@@ -390,6 +394,21 @@ class ProfileReport:
         lines += self.notes
         return "\n".join(lines)
 
+    def opportunity_lines(self, top: int = 10) -> list[str]:
+        """The opportunity finder's ``top`` rows per mode: what the fused step left, and the
+        eager step's with the gains fusing realized (``te-lab profile --opportunities``)."""
+        if not self.opportunities:
+            return ["fusion opportunities: not looked for (te_lab.profile(..., opportunities=False), or a target "
+                    "that is not a model)"]
+        lines = []
+        for mode, title in (("fused", "what fusion left (fused step)"), ("eager", "eager step, realized by fusing")):
+            found = self.opportunities.get(mode)
+            if found is not None:
+                lines += ["", f"fusion opportunities, {title}: {len(found.rows)} chain pattern(s), "
+                              f"{found.chains_ms:.3f} ms, estimated gain {found.estimated_gain_ms:.3f} ms"]
+                lines += table_lines(found.rows, top)
+        return lines
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -447,6 +466,8 @@ class ProfileReport:
         data["utilization_marks"] = [tuple(mark) for mark in data.get("utilization_marks", [])]
         data["expert_load"] = None if data.get("expert_load") is None else ExpertLoad.from_dict(data["expert_load"])
         data["ceiling"] = None if data.get("ceiling") is None else FusionCeiling.from_dict(data["ceiling"])
+        data["opportunities"] = None if data.get("opportunities") is None else {
+            mode: Opportunities.from_dict(found) for mode, found in data["opportunities"].items()}
         return cls(**data)
 
     @classmethod

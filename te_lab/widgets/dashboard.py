@@ -26,11 +26,12 @@ from .figures import (
     timeline_pages,
     utilization_figure,
 )
+from .opportunities_figure import OPPORTUNITY_MODES, opportunities_figure, opportunity_modes
 from .plots import Plot
 
 GROUP_LABELS = {"kind": "op kind", "module_type": "module type", "module": "module instance"}
 NO_DETAILS = "<i>Choose a row under \"details of\" for its modules, ops and shapes.</i>"
-TAB_TITLES = ("Gains", "Timeline", "Utilization", "Roofline", "Expert load")
+TAB_TITLES = ("Gains", "Timeline", "Utilization", "Roofline", "Opportunities", "Expert load")
 NO_RERUN = ("No ProfileRun was given with this report (te_lab.show(report, rerun=te_lab.ProfileRun(...))): "
             "there is nothing to re-run")
 
@@ -59,8 +60,9 @@ def _window_label(window) -> str:
 class Dashboard(widgets.VBox):
     """``Dashboard(report, rerun=None)``: summary cards (the fusion ceiling among them), then
     tabs Gains (the ceiling's chart below the gains) / Timeline /
-    Utilization / Roofline, and Expert load where the report carries it (a heatmap layer x
-    expert), and a Re-run button that measures ``rerun`` (a
+    Utilization / Roofline / Opportunities (the finder's rows, what fusion left or the eager
+    step's with their realized gains), and Expert load where the report carries it (a
+    heatmap layer x expert), and a Re-run button that measures ``rerun`` (a
     :class:`~te_lab.profiler.ProfileRun`) again. The gains tab's "details of" list fills
     the details panel; the timeline of a long step is drawn a window at a time."""
 
@@ -79,6 +81,8 @@ class Dashboard(widgets.VBox):
         self.utilization = Plot()
         self.utilization_table = widgets.HTML()
         self.roofline = Plot()
+        self.opportunity_mode = widgets.ToggleButtons(options=[], description="rows of")
+        self.opportunities = Plot()
         self.expert_load = Plot()
         self.rerun_button = widgets.Button(description="Re-run", icon="refresh")
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="profiling", layout={"visibility":
@@ -89,6 +93,7 @@ class Dashboard(widgets.VBox):
             widgets.VBox([self.timeline_page, self.timeline]),
             widgets.VBox([self.utilization_table, self.utilization]),
             self.roofline,
+            widgets.VBox([self.opportunity_mode, self.opportunities]),
             self.expert_load,
         )
         self.tabs = widgets.Tab()
@@ -98,6 +103,7 @@ class Dashboard(widgets.VBox):
         self.phase.observe(lambda _: self._draw_gains(), names="value")
         self.detail_row.observe(lambda change: self._show_details(change["new"]), names="value")
         self.timeline_page.observe(lambda change: self._draw_timeline(change["new"]), names="value")
+        self.opportunity_mode.observe(lambda change: self._draw_opportunities(change["new"]), names="value")
         self.rerun_button.on_click(lambda _: self.rerun())
         self.report = None
         self.timeline_windows = [None]
@@ -119,6 +125,9 @@ class Dashboard(widgets.VBox):
         self.ceiling.draw(ceiling_figure(report))
         self.utilization.draw(utilization_figure(report))
         self.roofline.draw(roofline_figure(report))
+        modes = opportunity_modes(report)
+        self.opportunity_mode.options = [(OPPORTUNITY_MODES[mode], mode) for mode in modes]
+        self._draw_opportunities(self.opportunity_mode.value if modes else "fused")
         # The expert load's tab only where the report carries it; otherwise its chart holds nothing.
         shown = len(self.pages) if report.expert_load is not None else len(self.pages) - 1
         if len(self.tabs.children) != shown:
@@ -133,6 +142,10 @@ class Dashboard(widgets.VBox):
         can_rerun = self.profile_run is not None
         self.rerun_button.disabled = not can_rerun
         self.rerun_button.tooltip = "Profile the model again and redraw" if can_rerun else NO_RERUN
+
+    def _draw_opportunities(self, mode) -> None:
+        if mode is not None:
+            self.opportunities.draw(opportunities_figure(self.report, mode))
 
     def _draw_timeline(self, index) -> None:
         if index is not None:

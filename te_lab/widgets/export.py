@@ -15,10 +15,17 @@ from .figures import (
     timeline_figure,
     utilization_figure,
 )
+from .opportunities_figure import OPPORTUNITY_MODES, opportunities_figure, opportunity_modes
 
 SECTIONS = (("Gains by op kind", gains_figure), ("Fusion ceiling", ceiling_figure), ("Timeline", timeline_figure),
             ("Utilization", utilization_figure), ("Roofline", roofline_figure))
 EXPERT_LOAD_SECTION = ("Expert load", expert_load_figure)  # where the report carries it
+
+
+def _opportunity_sections(report) -> tuple:
+    """One Opportunities chart per mode the finder looked at (what fusion left first)."""
+    return tuple((f"Opportunities: {OPPORTUNITY_MODES[mode]}", lambda r, mode=mode: opportunities_figure(r, mode))
+                 for mode in opportunity_modes(report))
 
 
 def write_html(report, path) -> pathlib.Path:
@@ -30,7 +37,8 @@ def write_html(report, path) -> pathlib.Path:
     cards = "".join(f'<div class="card"><div class="title">{html.escape(title)}</div>'
                     f'<div class="value">{html.escape(value)}</div></div>' for title, value in summary_cards(report))
     charts = []
-    sections = SECTIONS + ((EXPERT_LOAD_SECTION,) if report.expert_load is not None else ())
+    sections = SECTIONS + _opportunity_sections(report) + (
+        (EXPERT_LOAD_SECTION,) if report.expert_load is not None else ())
     for index, (title, build) in enumerate(sections):
         figure_html = build(report).to_html(full_html=False, include_plotlyjs=index == 0)
         charts.append(f"<h2>{html.escape(title)}</h2>{figure_html}")
