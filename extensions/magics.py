@@ -20,6 +20,7 @@ from torch import nn
 
 from te_lab.options import BACKEND_CHOICES, KEEP_CHOICES, argument_type, check_budget, check_steps, check_warmup
 from te_lab.profiler import ProfileRun, profile_generation
+from te_lab.profiler.engine import OPPORTUNITY_STEPS
 from te_lab.profiler.opportunities import opportunities
 from te_lab.status import status_lines
 from te_lab.surgery import fuse, fusions, is_fused, unfuse
@@ -130,6 +131,8 @@ class TeLabMagics(Magics):
               help="the statement generates (model.generate(...)): profile prefill and decode apart, eager against "
                    "fused (te_lab.profile_generation; --steps N: N timed runs per mode, auto: 3)")
     @argument("--html", metavar="PATH", help="also write the static report to PATH (.html)")
+    @argument("--no-opportunities", action="store_true",
+              help="skip the fusion-opportunity finder's steps (the dashboard's Opportunities tab is then empty)")
     @argument("-o", dest="output", action="store_true",
               help="return the ProfileReport (report = %%te_profile -o ...), as %%timeit -o does")
     @argument("statement", nargs=argparse.REMAINDER, help="the code to profile (the line form)")
@@ -217,15 +220,17 @@ class TeLabMagics(Magics):
             show(profile)
             return profile
         profile_run = ProfileRun.statement(run, models, steps=args.steps, warmup=args.warmup, budget_s=args.budget,
-                                           backward=is_expression and not args.no_backward)
+                                           backward=is_expression and not args.no_backward,
+                                           opportunities=not args.no_opportunities)
         report = None
         try:
             report = profile_run.run()
         finally:
             steps = args.steps if report is None else len(report.modes["eager"].step_ms)
             print(f"%te_profile: ran the {what} {runs} times ({args.warmup} warm-up and {steps} timed steps, "
-                  f"then profiled steps (and on the CPU as many clocked ones), in each of eager and fused mode, and "
-                  f"the opportunity finder's steps)")
+                  f"then profiled steps (and on the CPU as many clocked ones), in each of eager and fused mode"
+                  + ("" if args.no_opportunities else f", then {1 + 2 * OPPORTUNITY_STEPS} per mode for the "
+                     f"opportunity finder") + ")")
         if args.html:
             print(f"static report written to {to_html(report, args.html)}")
         show(report, rerun=profile_run)

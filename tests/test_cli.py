@@ -43,7 +43,8 @@ def test_demo_fuses_verifies_profiles_and_writes_the_dashboard(tmp_path):
     assert "te_lab.profile: 100%" in result.stderr  # the progress bar ran to the end
     report_file = tmp_path / "te_lab_report.html"
     text = report_file.read_text(encoding="utf-8")
-    assert text.count('class="plotly-graph-div"') == 5 and "te_lab profile: LlamaLM" in text
+    # the gains, ceiling, timeline, utilization and roofline charts, and the Opportunities chart of each mode
+    assert text.count('class="plotly-graph-div"') == 7 and "te_lab profile: LlamaLM" in text
     assert "fusion ceiling:" in out and "of the step" in out  # the ceiling and the compute split, printed
 
 
@@ -58,7 +59,8 @@ def test_profile_a_hugging_face_model_writes_html_and_json_that_round_trip(tmp_p
     pytest.importorskip("transformers")
     (tmp_path / "out").mkdir()
     result = te_lab_command("profile", "--model", "hf:llama", "--batch", "1", *SMALL_RUN,
-                            "--html", "out/report.html", "--json", "report.json", cwd=tmp_path)
+                            "--html", "out/report.html", "--json", "report.json", "--opportunities", "3",
+                            cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = ProfileReport.from_json((tmp_path / "report.json").read_text(encoding="utf-8"))
     assert report.environment.target == "LlamaForCausalLM"
@@ -67,8 +69,10 @@ def test_profile_a_hugging_face_model_writes_html_and_json_that_round_trip(tmp_p
     # what was printed is the summary of the very report that was written
     assert report.summary() in result.stdout
     assert "candidate modules fused in LlamaForCausalLM" in result.stdout
+    assert "\n".join(report.opportunity_lines(3)) in result.stdout  # --opportunities 3: the finder's top rows
+    assert set(report.opportunities) == {"eager", "fused"} and report.opportunities["eager"].rows
     html = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
-    assert html.count('class="plotly-graph-div"') == 5
+    assert html.count('class="plotly-graph-div"') == 7
     assert report.ceiling is not None and 0 < report.ceiling.eager.compute_ms <= report.modes["eager"].step_median_ms
     for comparison in report.kinds:
         assert f'"{comparison.key}"' in html  # each op kind is a bar label in the gains chart

@@ -104,11 +104,13 @@ def test_te_profile_line_and_cell_forms(shell, tmp_path, capsys):
     assert isinstance(report, te_lab.ProfileReport) and report.modes["fused"].backward_median_ms > 0
     out = capsys.readouterr().out
     assert "te_lab.profile:" in out  # the text fallback outside a notebook
-    # 1 timed step, the detail step, one profiled step and one clocked step (the CPU's module times), per mode
-    assert "%te_profile: ran the statement 8 times (0 warm-up and 1 timed steps" in out
+    # 1 timed step, the detail step, one profiled step and one clocked step (the CPU's module times), per mode;
+    # then the opportunity finder's detail step, 2 profiled and 2 clocked steps, per mode
+    assert "%te_profile: ran the statement 18 times (0 warm-up and 1 timed steps" in out
+    assert "then 5 per mode for the opportunity finder" in out
     path = tmp_path / "cell.html"
     shell.user_ns["cell_runs"] = 0
-    cell_report = shell.run_cell_magic("te_profile", f"--steps 1 --warmup 0 --html {path} -o",
+    cell_report = shell.run_cell_magic("te_profile", f"--steps 1 --warmup 0 --no-opportunities --html {path} -o",
                                        "cell_runs += 1\nloss = model(**batch).loss\nloss.backward()\n"
                                        "model.zero_grad()\n")
     assert cell_report.modes["eager"].backward_median_ms is None  # the cell did its own backward
@@ -116,6 +118,7 @@ def test_te_profile_line_and_cell_forms(shell, tmp_path, capsys):
     out = capsys.readouterr().out
     assert path.exists() and f"static report written to {path}" in out
     assert shell.user_ns["cell_runs"] == 8 and "%te_profile: ran the cell 8 times" in out
+    assert cell_report.opportunities is None and "opportunity finder" not in out
     fwd = shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward -o model(batch['input_ids'])")
     assert fwd.modes["fused"].backward_median_ms is None
     assert shell.run_line_magic("te_profile", "--steps 1 --warmup 0 --no-backward model(batch['input_ids'])") is None
@@ -141,7 +144,7 @@ def test_te_profile_statements_go_through_the_input_transformers(shell, capsys):
     shell.run_line_magic("te_fuse", "model -q")
     shell.user_ns["seen"] = []
     # IPython syntax in the cell (a line magic) runs as it would in a cell of its own.
-    shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 --no-backward",
+    shell.run_cell_magic("te_profile", "--steps 1 --warmup 0 --no-backward --no-opportunities",
                          "%time seen.append(1)\nmodel(batch['input_ids'])\n")
     assert len(shell.user_ns["seen"]) == 8  # detail, timed, profiled and clocked steps, two modes
 
@@ -152,8 +155,8 @@ def test_magics_taking_python_do_not_expand_variables(shell):
     shell.user_ns.update(key="big", seen=[], torch=torch)
     report = shell.run_line_magic("te_fuse", "nets[{key}.pop()] --only layernorm -q -o")
     assert {row.rule for row in report.fused} == {"layernorm"} and te_lab.is_fused(shell.user_ns["nets"]["big"])
-    shell.run_line_magic("te_profile", '--model nets["big"] --steps 1 --warmup 0 --no-backward seen.append({number}) '
-                         'or nets["big"](torch.zeros(1, 4, dtype=torch.long))')
+    shell.run_line_magic("te_profile", '--model nets["big"] --steps 1 --warmup 0 --no-backward --no-opportunities '
+                         'seen.append({number}) or nets["big"](torch.zeros(1, 4, dtype=torch.long))')
     assert shell.user_ns["seen"] == [{3}] * 8
 
 
@@ -193,3 +196,35 @@ def test_help_comes_from_the_argument_declarations(shell):
         assert usage.strip().startswith(f"%{name} ")
         assert "Example::" in doc and ("options:" in doc or "positional arguments:" in doc)
     assert "--sample" in shell.magics_manager.magics["line"]["te_fuse"].__doc__
+
+
+def test_te_opportunities_ranks_and_te_fuse_compiles_its_rows(shell, capsys):
+    found = shell.run_line_magic("te_opportunities", "model --sample batch --top 3 -o")
+    assert found.mode == "eager" and found.rows and found.top(3) == found.rows[:3]
+    out = capsys.readouterr().out
+    assert "fusion opportunities (eager step" in out and found.rows[0].label() in out
+    shell.user_ns["found"] = found
+    shell.user_ns["picked"] = next(row for row in found.rows if row.paths[0] != "(model)")
+    report = shell.run_line_magic("te_fuse", "model --sample batch --regions-of [picked] -q -o")
+    compiled = [row for row in report.rows if row.rule == "compiled_region"]
+    assert {row.path for row in compiled} == set(shell.user_ns["picked"].paths)
+    assert all(row.truth == "float64" and row.time_fused_ms > 0 for row in compiled)
+    left = shell.run_line_magic("te_opportunities", "model --sample batch --against found --top 2 -o")
+    assert left.mode == "fused"
+    out = capsys.readouterr().out
+    assert "fusion opportunities (fused step" in out and "realized" in out
+
+
+@pytest.mark.parametrize("magic, line, message", [
+    ("te_opportunities", "model", "the following arguments are required: --sample"),
+    ("te_opportunities", "model --sample batch --top 0", "--top must be a positive integer"),
+    ("te_opportunities", "model --sample batch --mode both", "invalid choice: 'both'"),
+    ("te_opportunities", "model --sample batch --against 3", "against must be an earlier te_lab.opportunities"),
+    ("te_fuse", "model --sample batch --regions a --regions-of b", "give --regions or --regions-of, not both"),
+    ("te_fuse", "model --sample batch --regions nothing.here", "regions entry 'nothing.here' names no module"),
+])
+def test_te_opportunities_and_regions_mistakes_are_usage_errors(shell, magic, line, message):
+    with pytest.raises(UsageError) as raised:
+        shell.run_line_magic(magic, line)
+    assert message in str(raised.value)
+    assert fused_count(shell) == 0

@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from te_lab.surgery.report import ROOT_LABEL
+
 FUSED_BYTES_FORMULA = (
     "bytes one fused kernel per instance would move: the chain's first op's inputs, the inputs of its later ops "
     "that no earlier op of the chain produced (weights, masks, other operands: a same-shaped tensor is taken for "
@@ -201,7 +203,7 @@ class Opportunities:
 
 
 REALIZED_SLACK = 0.3
-ROOT_KEY = "(model)"  # the model itself, in the finder's keys
+ROOT_KEY = ROOT_LABEL  # the model itself, in the finder's keys (as in the FusionReport's rows)
 
 
 def _inside(key: str, around: str) -> bool:

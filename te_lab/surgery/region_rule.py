@@ -22,6 +22,7 @@ from te_lab.device import is_gpu, triton_unavailable_reason
 from te_lab.modules.compiled_region import CompiledRegion
 
 from .inspection import tensor_like
+from .report import ROOT_LABEL
 from .rules import FusionRule, Match, Skip, Variant
 
 RULE_NAME = "compiled_region"
@@ -59,7 +60,8 @@ def _paths_of(entry, modules: dict, caller: str) -> list[str]:
         return named or [path for path, module in modules.items() if type(module).__name__ == entry]
     paths = getattr(entry, "paths", None)
     if isinstance(paths, list) and all(isinstance(p, str) for p in paths):
-        return [path for path in paths if path in modules]
+        named = ["" if path == ROOT_LABEL else path for path in paths]  # the model itself: its row says it cannot be
+        return [path for path in named if path in modules]
     raise TypeError(f"{caller}: regions entries must be module paths or globs, module classes or class names, "
                     f"or rows of te_lab.opportunities; got {type(entry).__name__}")
 
