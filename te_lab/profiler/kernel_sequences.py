@@ -8,10 +8,11 @@ chains of memory-bound kernels a fusion could merge (:func:`trace_opportunities`
 intervals: a call's parent is the innermost call still open when it starts. Of two calls
 that start together the longer is the parent (the earlier in the file where they last as
 long); a call that starts exactly where another ends is its sibling, unless it lasts no
-time: then it belongs to the call that ends there. As HTA does, where exactly two threads
-hold ``ProfilerStep#N`` annotations or autograd's calls, the backward thread's top-level
-calls go under the main thread's ``## backward ##`` annotation whose interval holds them
-(its ``ProfilerStep#N`` where it has no such annotation). A device-side event hangs under
+time: then it belongs to the call that ends there. As HTA does, where one thread holds the
+``ProfilerStep#N`` annotations and one other (and no third) runs autograd's calls, the
+backward thread's top-level calls go under the main thread's ``## backward ##`` annotation
+whose interval holds them (its ``ProfilerStep#N`` where it has no such annotation), so a
+step holds its backward. A device-side event hangs under
 the host call that shares its correlation id (the launch, a runtime or driver call):
 kernels, memcpys and memsets, and CUDA's per-stream waits ("Stream Sync", "Stream Wait
 Event", which HTA counts as stream events; the device-wide "Context Sync" and "Event Sync"
@@ -31,15 +32,18 @@ it does not).
 Where this differs from HTA 0.5 (the traces in tests/data/gpu-traces agree wherever HTA
 runs, ``tests/test_kernel_sequences.py``): kernels on stream 0 count (HTA links only
 streams above 0, so a ROCm trace, whose kernels run on the null stream, gives it no
-sequence); candidates are host calls only (HTA also matches device events' names and
-Kineto's device-side copies of annotations, whose depth it leaves at -1, so that
-``"Optimizer.step"`` finds nothing there); times are the file's, to the ns (HTA rounds
-a nanosecond-resolution trace inward to whole µs, and its call tree then fails on the
-events that come out negative: it gives no sequence for such a trace at all).
+sequence); the host calls are told by their kind (HTA takes every event with a
+``stream`` argument for a device event: Inductor's CPU op around a Triton launch carries
+one, so ``"triton_"`` finds nothing there), and the candidates are host calls only (HTA
+matches device events' names too); times are the file's, to the ns (HTA rounds a
+nanosecond-resolution trace inward to whole µs, and its call tree then fails on the events
+that come out negative: it gives no sequence for such a trace at all).
 
 **Fusion opportunities** (:func:`trace_opportunities`): on each stream, a *chain* is a
 run of consecutive memory-bound kernels of one phase (the timeline's: forward, backward,
-optimizer); at least two make a chain. A kernel is memory-bound unless it is compute (its
+optimizer); at least two make a chain, and the chains of one kernel-name pattern, phase and
+launching operator (the innermost CPU op around all their launches; the stream where
+none is) are one row. A kernel is memory-bound unless it is compute (its
 name is a GEMM, convolution or attention kernel's, :data:`COMPUTE_KERNEL_NAMES`, or an op
 around its launch is a GEMM or attention op, :func:`.ceiling.is_compute`, or a
 convolution), communication (NCCL / MCCL), te_lab's own (an op ``te_lab::...`` launched
@@ -69,13 +73,15 @@ from .report import TimelineEvent
 # of annotations, and its span of the whole trace.
 NOT_HOST_KINDS = DEVICE_KINDS + ("cuda_sync", "gpu_user_annotation", "Trace")
 STREAM_SYNCS = ("Stream Sync", "Stream Wait Event")
-STEP_PREFIX = "ProfilerStep#"
-STEP_NAME = "ProfilerStep"
+STEP_PREFIX = "ProfilerStep#"  # what marks the main thread, as HTA tells it
+STEP_NAME = "ProfilerStep"  # what a step's name contains, as HTA counts steps
 BACKWARD_ANNOTATION = "## backward ##"
-# GEMM, convolution and attention kernels by name (cuBLAS, CUTLASS, cuDNN, Tensile's
-# "Cijk_" on ROCm, flash attention), for those launched outside the ops is_compute knows.
-COMPUTE_KERNEL_NAMES = re.compile(r"(?<!fb)gemm|cutlass|cublas|xmma|scudnn|winograd|fft2d|[dw]grad|flash|fmha|"
-                                  r"attention|^Cijk_", re.IGNORECASE)
+# GEMM, convolution and attention kernels by what their names contain, lowercased (cuBLAS,
+# CUTLASS, cuDNN, flash attention; "fbgemm", a library of embedding kernels, left out), and
+# Tensile's on ROCm by their prefix: for those launched outside the ops is_compute knows.
+COMPUTE_KERNEL_NAMES = ("gemm", "cutlass", "cublas", "xmma", "scudnn", "winograd", "fft2d", "dgrad", "wgrad", "flash",
+                        "fmha", "attention")
+COMPUTE_KERNEL_PREFIXES = ("Cijk_",)
 _CONVOLUTION_OP = re.compile(r"conv(olution|_transpose|\dd|_tbc)", re.IGNORECASE)
 MIN_CHAIN_KERNELS = 2
 
@@ -95,18 +101,6 @@ class KernelSequence:
     def hta_pattern(self) -> str:
         """HTA's ``pattern`` column: the operator and kernel names joined by ``|``."""
         return "|".join((self.operator, *self.kernels))
-
-
-class HostCall(NamedTuple):
-    """One host call of :class:`KernelLaunches`; a CPU op that recorded its inputs has
-    their ``Input Dims`` and ``Input type``."""
-
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int
-    input_dims: Optional[list] = None
-    input_types: Optional[list] = None
 
 
 class KernelLaunches:
@@ -133,10 +127,6 @@ class KernelLaunches:
         self._children: Optional[dict[int, list[int]]] = None
         self._launched: Optional[dict[int, list[int]]] = None
         self._depths: Optional[list[int]] = None
-
-    def call(self, index: int) -> HostCall:
-        dims, types = self.inputs.get(index, (None, None))
-        return HostCall(self.names[index], self.kinds[index], self.starts[index], self.ends[index], dims, types)
 
     @property
     def depths(self) -> list[int]:
@@ -189,6 +179,7 @@ def _kernel_key(device: int, stream: int, start_ns: int, name: str) -> tuple:
 
 
 def _depths(parents: list[int]) -> list[int]:
+    """Each call's depth from its parents', each computed once."""
     depths = [-1] * len(parents)
     for index in range(len(parents)):
         chain, at = [], index
@@ -349,14 +340,12 @@ def _frequent_ops(launches: KernelLaunches, count: int = 5) -> list[str]:
     return sorted(frequency, key=lambda name: -frequency[name])[:count] or ["none"]
 
 
-@dataclass
-class _Link:
-    """One kernel of a chain: its duration, the call that launched it and that call's
-    innermost CPU op (None where unknown)."""
+class _Link(NamedTuple):
+    """One kernel of a chain: its duration and the CPU ops around its launch, innermost
+    first (none where the trace links it to no launch)."""
 
     duration_ns: int
-    launch: Optional[int]
-    op: Optional[int]
+    ops: tuple
 
 
 def trace_opportunities(trace, *, bandwidth_gbs: Optional[float] = None) -> list[Opportunity]:
@@ -365,8 +354,8 @@ def trace_opportunities(trace, *, bandwidth_gbs: Optional[float] = None) -> list
     operator (the innermost CPU op around every launch of the chain; ``"stream N"``
     where none is), phase and kernel-name pattern: ``time_ms`` the kernels' device
     time, ``launches`` their number. Bytes are known only where every op that launched
-    a kernel of the row recorded its inputs (``Input Dims`` and ``Input type``,
-    ``record_shapes=True``): then ``bytes_unfused`` is those ops' inputs and outputs by
+    a kernel of the row recorded inputs the cost model reads (``Input Dims`` and ``Input
+    type``, ``record_shapes=True``): then ``bytes_unfused`` is those ops' inputs and outputs by
     the cost model, ``bytes_fused`` and ``fused_ms`` follow the live finder's formulas
     (:mod:`.opportunity_table`; the launch cost from the trace's kernels), at
     ``bandwidth_gbs`` or the device's listed figure (``te_lab.device.PEAK_TABLE``);
@@ -400,7 +389,7 @@ def trace_opportunities(trace, *, bandwidth_gbs: Optional[float] = None) -> list
     launch_ms = costs.launch_us(trace.kernels) / 1e3 if costed and bandwidth_gbs is not None else 0.0
     for row in rows.values():
         if row.bytes_fused is None:
-            row.note = "bytes unknown: the ops that launched these kernels recorded no input shapes"
+            row.note = "bytes unknown: the ops that launched these kernels recorded no inputs the cost model reads"
         elif bandwidth_gbs is None:
             row.note = (f"no bandwidth for {trace.device_name!r} (te_lab.device.PEAK_TABLE lists none): "
                         "trace_opportunities(trace, bandwidth_gbs=...) estimates the fused time")
@@ -443,14 +432,14 @@ class _Links:
         named = self.by_kernel_name.get(kernel.name)
         if named is None:
             named = self.by_kernel_name[kernel.name] = (
-                kernel.kind == "kernel" and not kernel.is_collective and not COMPUTE_KERNEL_NAMES.search(kernel.name))
+                kernel.kind == "kernel" and not kernel.is_collective and not is_compute_kernel(kernel.name))
         if not named:
             return None
         launch = self.launches.launch_of(kernel)
-        ops = self.launches.ops_around(launch) if launch is not None else []
+        ops = tuple(self.launches.ops_around(launch)) if launch is not None else ()
         if not all(self._fusable_op(self.launches.names[op]) for op in ops):
             return None
-        return _Link(kernel.duration_ns, launch, ops[0] if ops else None)
+        return _Link(kernel.duration_ns, ops)
 
     def _fusable_op(self, name: str) -> bool:
         """Not a GEMM, attention or convolution op, nor one of te_lab's (fused already)."""
@@ -461,17 +450,20 @@ class _Links:
         return verdict
 
 
+def is_compute_kernel(name: str) -> bool:
+    """Whether kernel ``name`` is a GEMM, convolution or attention kernel's, by its name
+    (:data:`COMPUTE_KERNEL_NAMES`)."""
+    lowered = name.lower().replace("fbgemm", "")
+    return name.startswith(COMPUTE_KERNEL_PREFIXES) or any(part in lowered for part in COMPUTE_KERNEL_NAMES)
+
+
 def _launching_op(launches: KernelLaunches, chain: list[_Link]) -> Optional[str]:
     """The name of the innermost CPU op around every launch of ``chain``, if any."""
-    common: Optional[list[int]] = None
-    for link in chain:
-        if link.launch is None:
-            return None
-        around = launches.ops_around(link.launch)
-        common = around if common is None else [op for op in common if op in set(around)]
-        if not common:
-            return None
-    return launches.names[common[0]]
+    common = list(chain[0].ops)
+    for link in chain[1:]:
+        around = set(link.ops)
+        common = [op for op in common if op in around]
+    return launches.names[common[0]] if common else None
 
 
 class _OpCosts:
@@ -483,16 +475,17 @@ class _OpCosts:
         self.by_op: dict[int, Optional[TimelineEvent]] = {}
 
     def event(self, op: int) -> Optional[TimelineEvent]:
-        """CPU op ``op``'s inputs and bytes, None where it recorded no inputs."""
+        """CPU op ``op``'s inputs and bytes, None where it recorded no inputs the cost model
+        reads (a tensor list, recorded as nested dims, moves nothing by it)."""
         if op not in self.by_op:
-            call = self.launches.call(op)
+            name, (dims, types) = self.launches.names[op], self.launches.inputs.get(op, (None, None))
             self.by_op[op] = None
-            if call.input_dims is not None and call.input_types is not None:
-                cost = op_cost(call.name, call.input_dims, call.input_types)
-                pairs = [(list(shape), dtype) for shape, dtype in zip(call.input_dims, call.input_types)
+            cost = op_cost(name, dims, types) if dims is not None else None
+            if cost is not None and cost.bytes_read + cost.bytes_written > 0:
+                pairs = [(list(shape), dtype) for shape, dtype in zip(dims, types)
                          if isinstance(shape, list) and shape and all(isinstance(n, int) for n in shape)]
                 self.by_op[op] = TimelineEvent(
-                    "trace", call.name, 0.0, 0.0, "", "", "", [shape for shape, _ in pairs], cost.bytes_read,
+                    "trace", name, 0.0, 0.0, "", "", "", [shape for shape, _ in pairs], cost.bytes_read,
                     cost.bytes_written, [math.prod(shape) * (element_size(dtype) or 0) for shape, dtype in pairs])
         return self.by_op[op]
 
@@ -501,12 +494,13 @@ class _OpCosts:
         of them in a row, once), None where one of them recorded no inputs."""
         events, last_op = [], None
         for link in chain:
-            event = self.event(link.op) if link.op is not None else None
+            op = link.ops[0] if link.ops else None
+            event = self.event(op) if op is not None else None
             if event is None:
                 return None
-            if link.op != last_op:
+            if op != last_op:
                 events.append(event)
-                last_op = link.op
+                last_op = op
         return events
 
     def launch_us(self, kernels: list) -> float:

@@ -25,6 +25,7 @@ in one phase. Its figures add up over the instances:
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -76,8 +77,9 @@ class Opportunity:
         return self.launches - self.instances
 
     def label(self, ops: int = 4) -> str:
-        """``module (phase): op -> op -> ...`` with at most ``ops`` names."""
-        names = [name.split("::")[-1] for name in self.pattern]
+        """``module (phase): op -> op -> ...`` with at most ``ops`` names, each shortened
+        (:func:`short_name`)."""
+        names = [short_name(name) for name in self.pattern]
         shown = " -> ".join(names[:ops]) + (f" -> ... ({len(names)} ops)" if len(names) > ops else "")
         phase = f" ({self.phase})" if self.phase else ""
         return f"{self.module}{phase}: {shown}"
@@ -230,6 +232,14 @@ def _realized_note(row: Opportunity, before_ms: float, after_ms: float) -> str:
                    f"hold")
 
 
+def short_name(name: str) -> str:
+    """An op's or a kernel's name without its namespace, template arguments and parameters:
+    ``aten::mul`` -> ``mul``; ``void at::native::vectorized_elementwise_kernel<4, ...>(int, ...)``
+    -> ``vectorized_elementwise_kernel``."""
+    bare = re.sub(r"<.*>", "", name.split("(")[0]).removeprefix("void ").strip()
+    return bare.split("::")[-1] or name
+
+
 def ranked(rows: list[Opportunity]) -> list[Opportunity]:
     """Largest estimated gain first (rows without an estimate last, by measured time)."""
     return sorted(rows, key=lambda row: (row.estimated_gain_ms is None, -(row.estimated_gain_ms or 0.0),
@@ -247,7 +257,7 @@ def table_lines(rows: list[Opportunity], top: int = 10) -> list[str]:
         unfused = "-" if row.bytes_unfused is None else f"{row.bytes_unfused / 2**20:.2f}"
         fused = "-" if row.bytes_fused is None else f"{row.bytes_fused / 2**20:.2f}"
         realized = "" if row.realized_gain_ms is None else f"; realized {row.realized_gain_ms:.3f} ms"
-        by = f" [{row.fused_by}]" if row.fused_by else " [no te_lab rule]"
+        by = f" [{row.fused_by}]" if row.fused_by else "" if row.mode == "trace" else " [no te_lab rule]"
         lines.append(f"  {gain:>8} {row.time_ms:8.3f} {row.instances:4d} {row.launches:8d} {unfused:>11} {fused:>9}  "
                      f"{row.label()}{by}{realized}")
     if len(rows) > top:

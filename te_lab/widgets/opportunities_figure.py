@@ -9,7 +9,7 @@ import html
 
 import plotly.graph_objects as go
 
-from te_lab.profiler.opportunity_table import Opportunities
+from te_lab.profiler.opportunity_table import Opportunities, short_name
 
 # What each mode's rows are, for the panel's chooser and titles.
 OPPORTUNITY_MODES = {"fused": "what fusion left (the fused step)", "eager": "before fusing (the eager step)"}
@@ -24,7 +24,7 @@ def opportunity_modes(report) -> list[str]:
 
 
 def _hover(row) -> str:
-    pattern = " -> ".join(name.split("::")[-1] for name in row.pattern)
+    pattern = " -> ".join(short_name(name) for name in row.pattern)
     unfused = "-" if row.bytes_unfused is None else f"{row.bytes_unfused / 2**20:.2f}"
     fused = "-" if row.bytes_fused is None else f"{row.bytes_fused / 2**20:.2f}"
     lines = [f"<b>{html.escape(row.module)}</b> ({html.escape(row.module_type or '-')}, {row.phase or '-'})",
