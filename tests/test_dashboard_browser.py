@@ -3,7 +3,8 @@ through Playwright. A notebook fuses and profiles the demo's Llama at the demo's
 and shows the dashboard; the test runs all cells and reads the DOM: the widget rendered, the plotly
 charts (plotly's MIME output, drawn by the jupyterlab-plotly extension) have their SVG and
 the expected bars, the group-by control redraws the bars, choosing a row under "details
-of" fills the details panel, no cell shows an error. The static HTML export
+of" fills the details panel, the Opportunities tab ranks the finder's rows (what fusion left,
+then the eager step's with their realized gains), no cell shows an error. The static HTML export
 then opens in the same browser with the network blocked and must draw its charts. A
 second notebook profiles a tiny fused Qwen3-MoE (``hf:qwen3_moe``) and its dashboard's
 Expert load tab draws the heatmap, a row per MoE layer labelled with its imbalance.
@@ -46,7 +47,8 @@ NOTEBOOK_CELLS = [
     f"batch = model.example_batch({DEFAULT_BATCH}, {DEFAULT_SEQ})\n"
     "fusion = te_lab.fuse(model, sample=batch, progress=False)\nlen(fusion.fused)",
     "report = te_lab.profile(model, batch, steps=2, warmup=1)\nprint('kinds', len(report.kinds), "
-    "'modules', len(report.modules))",
+    "'modules', len(report.modules), 'left', len(report.opportunities['fused'].rows), 'before', "
+    "len(report.opportunities['eager'].rows))",
     "te_lab.show(report)",
     "te_lab.to_html(report, 'report.html')",
 ]
@@ -145,7 +147,7 @@ def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
     dashboard = page.locator(".te-lab-dashboard")
     dashboard.wait_for(timeout=TIMEOUT_MS)
     counts = page.locator(".jp-OutputArea-output pre", has_text="modules").first.text_content().split()
-    kinds, modules = int(counts[1]), int(counts[3])
+    kinds, modules, left, before = int(counts[1]), int(counts[3]), int(counts[5]), int(counts[7])
 
     # the gains chart: a pair of bars (eager, fused) per op kind, one axis label each
     gains = dashboard.locator(".js-plotly-plot").first
@@ -186,6 +188,25 @@ def test_the_dashboard_renders_and_responds_in_jupyterlab(jupyterlab, browser):
         page.wait_for_timeout(500)
     assert dashboard.locator(".js-plotly-plot svg.main-svg").count() >= 4
     page.screenshot(path=str(ARTIFACTS / "dashboard-roofline.png"), full_page=True)
+
+    # the Opportunities tab: what fusion left, ranked, then the eager step's rows with their realized gains
+    dashboard.get_by_role("tab", name="Opportunities").click()
+    chart = dashboard.locator(".js-plotly-plot", has_text="what fusion left")
+    try:
+        chart.locator("svg.main-svg").first.wait_for(timeout=60_000)
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "dashboard-opportunities-left.png"), full_page=True)
+    assert chart.locator("g.trace.bars g.point").count() == min(left, 15)
+    dashboard.get_by_role("button", name="before fusing").click()
+    chart = dashboard.locator(".js-plotly-plot", has_text="before fusing")
+    chart.locator("g.trace.bars g.point").first.wait_for(timeout=TIMEOUT_MS)
+    assert before > 0 and chart.locator("g.trace.bars g.point").count() == 2 * min(before, 15)  # estimated, realized
+    assert sorted(chart.locator("g.legend text.legendtext").all_text_contents()) == ["estimated gain",
+                                                                                     "realized gain"]
+    labels = chart.locator("g.ytick text").all_text_contents()
+    assert sorted(int(t.split(".")[0]) for t in labels) == list(range(1, min(before, 15) + 1))  # ranked
+    assert all("(forward)" in t or "(backward)" in t for t in labels)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-opportunities.png"), full_page=True)
 
     assert dashboard.get_by_role("tab", name="Expert load").count() == 0  # a dense model has no expert load
     assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0
@@ -238,7 +259,7 @@ def test_the_static_export_renders_offline(jupyterlab, browser):
     page.goto(export.as_uri(), timeout=TIMEOUT_MS)
     page.wait_for_function("document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= 5",
                            timeout=TIMEOUT_MS)
-    assert page.locator(".plotly-graph-div").count() == 5
+    assert page.locator(".plotly-graph-div").count() == 7  # and the Opportunities chart of each mode
     assert [url for url in requests if not url.startswith("file:")] == []
     page.screenshot(path=str(ARTIFACTS / "static-export.png"), full_page=True)
     shutil.copy(export, ARTIFACTS / "static-export.html")

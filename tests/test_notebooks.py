@@ -116,10 +116,24 @@ def check_lora_trainer(text: str) -> None:
 
 # what a notebook needs beyond the notebook stack
 REQUIRES = {"02_huggingface": "transformers", "07_lora_trainer": "peft"}
+def check_fusion_opportunities(text: str) -> None:
+    assert re.search(r"custom layers' rows: 4 ; ranked first: True", text)
+    assert "no te_lab rule for them: True" in text
+    compiled = re.findall(r"layers\.\d\.(?:norm|act) +(fused|kept-original-slower) +verified against the float64 "
+                          r"truth", text)
+    assert len(compiled) == 4
+    realized = re.findall(r"estimated ([-0-9.]+) ms, realized ([-0-9.]+) ms", text)
+    assert len(realized) == 4 and all(float(estimated) > 0 for estimated, _ in realized)
+    assert "fusion opportunities, what fusion left (fused step)" in text
+    assert "fusion opportunities, eager step, realized by fusing" in text
+    assert re.search(r"restored \d+ original module\(s\)", text)
+
+
 CHECKS = {"01_quickstart": check_quickstart, "02_huggingface": check_huggingface,
           "03_reading_the_dashboard": check_reading_the_dashboard, "04_training": check_training,
           "05_custom_fusion": check_custom_fusion,
-          "06_musa_and_gpus": check_musa_and_gpus, "07_lora_trainer": check_lora_trainer}
+          "06_musa_and_gpus": check_musa_and_gpus, "07_lora_trainer": check_lora_trainer,
+          "08_fusion_opportunities": check_fusion_opportunities}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -126,8 +126,12 @@ class Dashboard(widgets.VBox):
         self.utilization.draw(utilization_figure(report))
         self.roofline.draw(roofline_figure(report))
         modes = opportunity_modes(report)
+        chosen = self.opportunity_mode.value if self.opportunity_mode.value in modes else None
         self.opportunity_mode.options = [(OPPORTUNITY_MODES[mode], mode) for mode in modes]
-        self._draw_opportunities(self.opportunity_mode.value if modes else "fused")
+        self.opportunity_mode.layout.display = None if modes else "none"
+        if modes:
+            self.opportunity_mode.value = chosen or modes[0]  # (options alone leave no value chosen)
+        self._draw_opportunities(chosen or (modes[0] if modes else "fused"))
         # The expert load's tab only where the report carries it; otherwise its chart holds nothing.
         shown = len(self.pages) if report.expert_load is not None else len(self.pages) - 1
         if len(self.tabs.children) != shown:

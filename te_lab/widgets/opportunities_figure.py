@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 from te_lab.profiler.opportunity_table import Opportunities, short_name
 
 # What each mode's rows are, for the panel's chooser and titles.
-OPPORTUNITY_MODES = {"fused": "what fusion left (the fused step)", "eager": "before fusing (the eager step)"}
+OPPORTUNITY_MODES = {"fused": "what fusion left", "eager": "before fusing"}
+STEP_OF = {"fused": "the fused step", "eager": "the eager step, with the gains fusing realized"}
 SHOWN_ROWS = 15
 COLORS = {"estimated": "#ff7f0e", "realized": "#2ca02c"}
 
@@ -56,8 +57,9 @@ def opportunities_figure(report, mode: str = "fused") -> go.Figure:
         figure.add_bar(y=labels, x=[row.realized_gain_ms or 0.0 for row in rows], orientation="h",
                        name="realized gain", marker_color=COLORS["realized"], hovertext=hovers,
                        hovertemplate="%{hovertext}<br>realized gain %{x:.3f} ms<extra></extra>")
-    title = (f"{OPPORTUNITY_MODES[mode]}: {len(found.rows)} chain pattern(s), {found.chains_ms:.3f} ms of "
-             f"{found.accounting.non_compute_ms:.3f} ms outside GEMMs and attention; estimated gain "
+    title = (f"{OPPORTUNITY_MODES[mode]} ({STEP_OF[mode]}): {len(found.rows)} chain pattern(s),<br>"
+             f"{found.chains_ms:.3f} ms of "
+             f"{found.accounting.non_compute_ms:.3f} ms outside compute (GEMMs, attention); estimated gain "
              f"{found.estimated_gain_ms:.3f} ms at {found.bandwidth_gbs:.0f} GB/s")
     figure.update_layout(barmode="group", height=140 + 28 * len(rows), margin={"l": 380, "r": 20, "t": 60, "b": 40},
                          title={"text": title, "font": {"size": 12}}, xaxis_title="ms per step",
