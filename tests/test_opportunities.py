@@ -362,3 +362,20 @@ def test_the_finder_runs_on_every_family_and_its_totals_add_up(model_type):
         assert row.launches == row.instances * len(row.pattern) and row.instances >= 1
         assert len(row.pattern) >= 2 and row.paths
         assert row.bytes_fused <= row.bytes_unfused
+
+
+def test_on_a_gpu_module_times_are_the_profiled_kernel_times_whole():
+    """Host clocks time a GPU's launches, not its kernels: there the rows' modules take
+    their profiled regions' times, the nested regions added back."""
+    from types import SimpleNamespace
+
+    from te_lab.profiler.opportunities import profiled_module_ms
+    from te_lab.profiler.report import Region
+
+    def run(scale):
+        return SimpleNamespace(trace=SimpleNamespace(regions={
+            "layers.0": Region(1.0 * scale, 2.0 * scale), "layers.0.act": Region(0.5 * scale, 1.0 * scale),
+            "layers.1": Region(3.0 * scale, 4.0 * scale)}))
+
+    times = profiled_module_ms([run(1), run(3), run(2)], ["layers.0", "layers.0.act", "(model)"])
+    assert times == {"layers.0": [3.0, 6.0], "layers.0.act": [1.0, 2.0], "(model)": [9.0, 14.0]}

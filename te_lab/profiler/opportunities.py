@@ -191,7 +191,10 @@ def _covering_rule(path: str, labels: dict, answers: dict) -> str:
         if module is None:
             continue
         if isinstance(module, FusedModule):
-            return f"inside te_lab's fused {type(module).__name__} at {around}: ops it leaves unfused"
+            aside = (", or the original's where the twin steps aside at these sizes (keep='faster')"
+                     if module.measured_against_original else "")
+            return (f"inside te_lab's fused {type(module).__name__} at {pattern_of(around)}: ops it leaves "
+                    f"unfused{aside}")
         if installed_lm_head_loss(module) is not None and around == path:
             return f"inside te_lab's fused LM head + loss forward of {around}: ops it leaves unfused"
         key = (id(module), around == path)
@@ -266,6 +269,16 @@ def clocked_module_ms(mode: Mode, models: dict, keys: list, backward: bool, devi
             for key in keys if all(key in run for run in runs)}
 
 
+def profiled_module_ms(timed: list, keys: list) -> dict:
+    """On a GPU, where host clocks time launches rather than kernels: key -> [forward,
+    backward] ms of each module at ``keys``, whole, from the profiled steps' kernel times
+    (the regions nested in it added back), medians."""
+    def whole(run, key: str, phase: int) -> float:
+        return sum((region.forward_ms, region.backward_ms)[phase] for other, region in run.trace.regions.items()
+                   if other == key or other.startswith(key + ".") or key == ROOT_KEY)
+    return {key: [statistics.median(whole(run, key, phase) for run in timed) for phase in (0, 1)] for key in keys}
+
+
 def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: int = STEPS,
          bandwidth: Optional[tuple[float, str]] = None, clock_keys: tuple = ()) -> Opportunities:
     """The opportunities of ``mode`` over ``models`` (prefix -> model), every module of
@@ -273,7 +286,8 @@ def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: 
     ``steps`` recording times, each row's times (and the accounting's) the median over
     them; then the modules of the rows, and those at ``clock_keys`` (an earlier result's,
     to measure its realized gains against), are clocked in ``steps`` steps
-    (:func:`clocked_module_ms`)."""
+    (:func:`clocked_module_ms`; on a GPU their kernel times come from the profiled steps,
+    :func:`profiled_module_ms`)."""
     labelled = dataclasses.replace(mode, labels=lambda: every_module(models))
     with mode.context():
         labels = every_module(models)
@@ -296,7 +310,8 @@ def find(mode: Mode, models: dict, backward: bool, device: torch.device, steps: 
                                       for name in dataclasses.fields(Accounting)})
     result.rows = ranked(list(grouped.values()))
     keys = list(dict.fromkeys([*(path for row in result.rows for path in row.paths), *clock_keys]))
-    result.module_ms = clocked_module_ms(mode, models, keys, backward, device, steps)
+    result.module_ms = (profiled_module_ms(timed, keys) if devices.is_gpu(device) else
+                        clocked_module_ms(mode, models, keys, backward, device, steps))
     return result
 
 

@@ -209,10 +209,15 @@ class _Fuser:
                         original, twin, probed, trainable_parameters(module), match.constant_inputs,
                         match.probe_outputs or output_tensors, self.device)
                 row.speedup = row.time_original_ms / row.time_fused_ms if row.time_fused_ms > 0 else None
-                if row.time_fused_ms >= row.time_original_ms:
+                # A compiled region must beat its original by the margin stepping aside uses: a
+                # tie within the noise is no reason to run compiled code.
+                margin = stepping_aside.MARGIN if match.timed else 0.0
+                if row.time_fused_ms >= (1 - margin) * row.time_original_ms:
                     row.status = reports.KEPT_SLOWER
                     row.reason = (f"fused {row.time_fused_ms:.3g} ms vs original {row.time_original_ms:.3g} ms "
-                                  f"(forward + backward, median)")
+                                  f"(forward + backward, median)" + (
+                                      f"; a compiled region is kept where faster by more than {margin:.0%}"
+                                      if margin else ""))
                     return row
             if result is not None:
                 # Kept with the twin, so tools that meet it later (the profiler) can show it.

@@ -5,7 +5,7 @@ The regions become one rule for that call, tried before every other rule on exac
 modules named, so everything a swap gets from :func:`te_lab.fuse` a region gets too: the
 probe on the sample's inputs against the float64 truth, forward and backward, hooks moved,
 undo on error, ``unfuse``, the report's row. A region is kept only where it measured faster
-than the original (forward + backward, interleaved medians), and refused, the module left
+than the original by more than 5% (forward + backward, interleaved medians), and refused, the module left
 as it was, where it cannot be compiled as one graph, where its numbers differ, or where it
 holds a dropout in training mode (the compiled dropout draws from Inductor's random stream,
 not eager's: a training step would not reproduce the original's).
