@@ -119,7 +119,7 @@ def test_the_dashboard_draws_the_heatmap_only_where_the_report_has_load(report):
     from te_lab.widgets.plots import PLOTLY_MIME
 
     dashboard = Dashboard(report)
-    assert dashboard.tabs.titles[-1] == "Expert load" and len(dashboard.tabs.children) == 5
+    assert dashboard.tabs.titles[-1] == "Expert load" and len(dashboard.tabs.children) == 6
     (heatmap,) = dashboard.expert_load.outputs[0]["data"][PLOTLY_MIME]["data"]
     assert heatmap["type"] == "heatmap"
     assert heatmap["z"] == [layer.tokens_per_expert for layer in report.expert_load.layers]
@@ -129,11 +129,11 @@ def test_the_dashboard_draws_the_heatmap_only_where_the_report_has_load(report):
 
     without = ProfileReport.from_dict({**report.to_dict(), "expert_load": None})
     dashboard.update(without)  # a report without load: the tab goes, its chart holds nothing
-    assert "Expert load" not in dashboard.tabs.titles and len(dashboard.tabs.children) == 4
+    assert "Expert load" not in dashboard.tabs.titles and len(dashboard.tabs.children) == 5
     assert dashboard.expert_load.outputs == ()
 
 
 def test_the_static_export_adds_the_heatmap(report, tmp_path):
     pytest.importorskip("plotly")
     text = te_lab.to_html(report, tmp_path / "moe.html").read_text(encoding="utf-8")
-    assert text.count('class="plotly-graph-div"') == 6 and "Expert load" in text and '"heatmap"' in text
+    assert text.count('class="plotly-graph-div"') == 6 + 2 and "Expert load" in text and '"heatmap"' in text

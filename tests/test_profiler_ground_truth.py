@@ -58,7 +58,7 @@ def test_the_headline_interval_holds_an_independent_plain_loops_ratio():
     model = models.huggingface("llama", "tiny", seed=0)
     batch = models.example_batch(model, 2, 64)
     te_lab.fuse(model, sample=batch, progress=False)
-    for attempt in range(2):  # a miss is measured once more: the machine is noisy
+    for attempt in range(3):  # a miss is measured again (twice at most): the machine is noisy
         report = te_lab.profile(model, batch, steps="auto", budget_s=10, warmup=2)
         assert "[" in report.summary().splitlines()[1]  # the headline prints its interval
         low, high = report.totals.speedup_low, report.totals.speedup_high

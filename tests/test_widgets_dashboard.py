@@ -117,7 +117,7 @@ def test_each_chart_is_in_the_widget_state_once_without_plotly_js(report):
     states = {key: widget.get_state() for key, widget in ours.items()}
     assert not any("_esm" in state for state in states.values())
     plotted = [state for state in states.values() if state.get("_model_name") == "OutputModel" and state["outputs"]]
-    assert len(plotted) == 5  # gains, fusion ceiling, timeline, utilization, roofline
+    assert len(plotted) == 6  # gains, fusion ceiling, timeline, utilization, roofline, opportunities
     assert all(len(state["outputs"]) == 1 and PLOTLY_MIME in state["outputs"][0]["data"] for state in plotted)
     size = len(json.dumps(list(states.values())))
     timeline = len(json.dumps(shown(dashboard.timeline)))

@@ -42,7 +42,7 @@ def test_a_saved_notebook_with_a_30_layer_dashboard_stays_under_2_mb(tmp_path):
     assert any(model["model_name"] == "VBox" or model["model_name"] == "VBoxModel" for model in state.values())
     charts = [model["state"]["outputs"] for model in state.values()
               if model["model_name"] == "OutputModel" and model["state"].get("outputs")]
-    assert len(charts) == 5 and all(PLOTLY_MIME in chart[0]["data"] for chart in charts)
+    assert len(charts) == 6 and all(PLOTLY_MIME in chart[0]["data"] for chart in charts)
     assert not any("_esm" in model["state"] for model in state.values())  # no plotly.js in the state
     size = path.stat().st_size
     assert size < SAVED_LIMIT_BYTES, f"{size / 2**20:.2f} MB saved, largest models: " + str(sorted(
