@@ -356,6 +356,8 @@ def test_profile_of_a_ddp_model_backpropagates_through_its_reducer(one_rank_grou
         assert report.modes[mode].collectives == 2
     assert all(p.grad is None for p in ddp.parameters())
     assert report.environment.rank == 0 and report.environment.world_size == 1
+    from te_lab.profiler.engine import DATA_PARALLEL_NOTE
+    assert report.opportunities is None and DATA_PARALLEL_NOTE in report.notes  # no finder steps under DDP
 
 
 def test_communication_is_the_union_of_collective_kernels_and_gloo_events():

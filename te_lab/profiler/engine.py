@@ -100,7 +100,9 @@ def profile(target, inputs=None, *, steps: Union[int, str] = "auto", warmup: int
         models = {"": distributed.unwrap(target)} if isinstance(target, nn.Module) else {}
         report = _measure(modes, key_info, assembly.environment(dev, target, inputs, description), dev, steps,
                           warmup, backward, progress, budget_s, LoadRecorder(models),
-                          models if opportunities else {})
+                          _finder_models(models, [target], opportunities))
+    if opportunities and _data_parallel([target]):
+        report.notes.append(DATA_PARALLEL_NOTE)
     return report
 
 
@@ -132,7 +134,9 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
     with trace_files.writing_to(trace_dir):
         report = _measure(modes, key_info, assembly.environment(dev, first, None, ", ".join(models)), dev, steps,
                           warmup, backward, progress, budget_s, LoadRecorder(prefixed),
-                          prefixed if opportunities else {})
+                          _finder_models(prefixed, list(models.values()), opportunities))
+    if opportunities and _data_parallel(list(models.values())):
+        report.notes.append(DATA_PARALLEL_NOTE)
     changed = sum(p._version != version for p, version in versions)  # in-place updates bump a tensor's version
     if changed:
         runs = 2 * runs_per_mode(len(report.modes["eager"].step_ms), warmup, clocked=not devices.is_gpu(dev))
@@ -142,6 +146,23 @@ def profile_statement(run: Callable[[], Any], models: dict, *, steps: Union[int,
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         report.notes.append(message)
     return report
+
+
+# Why a profile of a DistributedDataParallel model has no opportunities (report.notes).
+DATA_PARALLEL_NOTE = ("fusion opportunities: not looked for under DistributedDataParallel (the finder's extra steps "
+                      "would all-reduce gradients on every rank); run te_lab.opportunities on the wrapped module")
+
+
+def _finder_models(models: dict, targets: list, opportunities: bool) -> dict:
+    """The models the opportunity finder looks at: none where it was switched off or a
+    target is data-parallel."""
+    if not opportunities or _data_parallel(targets):
+        return {}
+    return models
+
+
+def _data_parallel(targets: list) -> bool:
+    return any(isinstance(t, nn.Module) and distributed.is_data_parallel(t) for t in targets)
 
 
 def _check_counts(steps, warmup, budget_s, caller: str) -> None:
